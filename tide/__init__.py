@@ -1,0 +1,1 @@
+"""TIDE: online adaptation of EAGLE3 speculative-decoding drafters."""

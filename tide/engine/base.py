@@ -1,0 +1,118 @@
+"""The engine interface: the few methods capture, ops and the HTTP server rely on.
+
+Both the reference engine (tide/engine/reference.py) and the SGLang plugin satisfy it, so
+capture/, ops/ and the server do not care which engine runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters; validated by the caller (the server) before submit."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    workload: str | None = None  # free-form tag carried into capture records
+    capture: bool = True  # per-request opt-out of hidden-state capture
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One chunk of a request's output stream (a decode step may yield several tokens)."""
+
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CaptureMeta:
+    """Request-level facts a capture record needs; shared by all of a request's steps."""
+
+    request_id: str
+    target_model_id: str
+    drafter_version: str
+    aux_layer_ids: tuple[int, ...]
+    workload: str | None
+    prompt_len: int
+    started_at_s: float
+
+
+@dataclass
+class StepCapture:
+    """Target tensors for the positions one step *committed* for one request.
+
+    ``token_ids[i]`` was fed to the target at position ``start_position + i``;
+    ``aux_hidden[i]`` ([3H], the inputs of the aux layers) and ``final_hidden[i]`` ([H], after the
+    final norm) are what the target computed there. Rejected draft positions are never included.
+    Tensors are references to the engine's step outputs (no copy on the hot path); sinks must not
+    modify them.
+    """
+
+    meta: CaptureMeta
+    start_position: int
+    token_ids: torch.Tensor  # [n] int64
+    aux_hidden: torch.Tensor  # [n, 3H]
+    final_hidden: torch.Tensor  # [n, H]
+    is_prompt: bool  # True for prefill positions (loss mask 0), False for generated ones
+    finished: bool = False  # the request ended after this step
+
+
+class CaptureSink(Protocol):
+    """Receives committed positions once per step; must only enqueue, never block or raise."""
+
+    def offer(self, captures: list[StepCapture]) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters since start, per drafter version where it matters."""
+
+    requests_finished: int = 0
+    requests_failed: int = 0
+    target_forwards: int = 0
+    tokens_generated: int = 0
+    # drafter version -> [draft steps, accepted draft tokens, committed tokens]
+    acceptance: dict[str, list[int]] = field(default_factory=dict)
+
+    def copy(self) -> "EngineStats":
+        return dataclasses.replace(self, acceptance={k: list(v) for k, v in self.acceptance.items()})
+
+
+class Engine(Protocol):
+    """What every engine offers. ``submit`` is thread-safe and returns a blocking iterator."""
+
+    tokenizer: Any  # a transformers tokenizer (chat template included)
+    target_model_id: str
+    max_seq_len: int
+
+    @property
+    def drafter_version(self) -> str: ...
+
+    def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]: ...
+
+    def swap_drafter(self, drafter: Any, version: str) -> None:
+        """Serve ``drafter`` from the next decode step on. The caller validated it already."""
+
+    def set_capture_sink(self, sink: CaptureSink | None) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
