@@ -1,0 +1,1 @@
+"""EAGLE3 drafter: model, vocab mapping, artifact format."""

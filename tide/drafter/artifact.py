@@ -1,0 +1,151 @@
+"""Drafter artifacts: the SpecForge/SGLang export layout, saved and loaded with validation.
+
+A drafter folder holds ``config.json`` (architecture ``LlamaForCausalLMEagle3``),
+``model.safetensors`` (fc, midlayer, norm, lm_head, t2d, d2t; no embeddings) and ``tide.json``
+(sha256 of the weights file, vocab-mapping digest, free-form lineage metadata).
+
+Loading steps (anything wrong raises ``DrafterError`` and nothing is returned):
+1. refuse folders carrying pickle weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) or missing files;
+2. check the sha256 recorded in tide.json (if present, or if ``require_checksum``);
+3. read config.json, check architecture and shapes against the target (hidden size, vocab,
+   aux layer ids) and, if given, that the vocab mapping equals the serving one;
+4. load tensors with safetensors only, check names/shapes/finite values, build the module.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from tide.drafter.model import DrafterShape, Eagle3Drafter
+from tide.drafter.vocab import mapping_digest
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+META = "tide.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+class DrafterError(ValueError):
+    """A drafter artifact was refused; the message says why."""
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What a drafter must match to serve a target."""
+
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save_drafter(drafter: Eagle3Drafter, folder: str | Path, metadata: dict | None = None) -> Path:
+    """Write the export layout atomically (temp folder + rename); returns the folder."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        state = {k: v.detach().contiguous().clone() for k, v in drafter.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(drafter.shape.to_hf_config(), indent=2))
+        meta = {"sha256": file_sha256(tmp / WEIGHTS), "vocab_mapping": mapping_digest(drafter.d2t),
+                **(metadata or {})}
+        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def read_metadata(folder: str | Path) -> dict:
+    path = Path(folder) / META
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_drafter(folder: str | Path, target: TargetSpec | None = None,
+                 expect_vocab_mapping: str | None = None, require_checksum: bool = False) -> Eagle3Drafter:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DrafterError(f"{folder}: not a drafter folder")
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise DrafterError(f"{folder}: refusing pickle weights {pickles}; drafters load from safetensors only")
+    for name in (CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            raise DrafterError(f"{folder}: missing {name}")
+    meta = read_metadata(folder)
+    if "sha256" in meta or require_checksum:
+        actual = file_sha256(folder / WEIGHTS)
+        if meta.get("sha256") != actual:
+            raise DrafterError(f"{folder}: checksum mismatch (recorded {meta.get('sha256')}, actual {actual})")
+    try:
+        shape = DrafterShape.from_hf_config(json.loads((folder / CONFIG).read_text()))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DrafterError(f"{folder}/{CONFIG}: {exc}") from exc
+    if target is not None:
+        problems = []
+        if shape.target_hidden_size != target.hidden_size:
+            problems.append(f"target_hidden_size {shape.target_hidden_size} != target's {target.hidden_size}")
+        if shape.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {shape.hidden_size} != target's {target.hidden_size} "
+                            "(embeddings are shared with the target)")
+        if shape.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {shape.vocab_size} != target's {target.vocab_size}")
+        if tuple(shape.aux_layer_ids) != tuple(target.aux_layer_ids):
+            problems.append(f"aux layers {shape.aux_layer_ids} != target capture layers {target.aux_layer_ids}")
+        if problems:
+            raise DrafterError(f"{folder}: does not fit the target: " + "; ".join(problems))
+    try:
+        state = load_file(str(folder / WEIGHTS))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DrafterError(f"{folder}/{WEIGHTS}: unreadable safetensors ({exc})") from exc
+    drafter = Eagle3Drafter(shape)
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected) - {"embed_tokens.weight"})
+    if missing or unexpected:
+        raise DrafterError(f"{folder}: tensor names differ (missing {missing}, unexpected {unexpected})")
+    for name, ref in expected.items():
+        t = state[name]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise DrafterError(f"{folder}: {name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise DrafterError(f"{folder}: {name} has non-finite values")
+    d2t = state["d2t"].to(torch.int64)
+    target_ids = torch.arange(shape.draft_vocab_size) + d2t
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= shape.vocab_size or \
+            target_ids.unique().numel() != shape.draft_vocab_size:
+        raise DrafterError(f"{folder}: d2t does not map draft ids to distinct target ids")
+    t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
+    t2d[target_ids] = True
+    if not torch.equal(t2d, state["t2d"].to(torch.bool)):
+        raise DrafterError(f"{folder}: t2d is inconsistent with d2t")
+    if expect_vocab_mapping is not None and mapping_digest(d2t) != expect_vocab_mapping:
+        raise DrafterError(f"{folder}: vocab mapping {mapping_digest(d2t)} differs from the serving "
+                           f"mapping {expect_vocab_mapping}; the draft vocab must stay fixed")
+    state = {k: v for k, v in state.items() if k in expected}
+    state["t2d"] = state["t2d"].to(torch.bool)
+    drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+    return drafter.eval()

@@ -1,0 +1,208 @@
+"""A small Llama forward with a slot-based KV cache, for the reference engine.
+
+Why not call transformers' forward: the engine batches requests whose sequences have different
+lengths and rolls back rejected draft positions per request. A cache laid out as
+``[slots, max_len, kv_heads, head_dim]`` with an explicit per-row start position makes both
+trivial (rollback = forget positions past the committed length). Weights come from the same
+HF-layout safetensors checkpoint transformers loads; tests check logits against transformers.
+
+Forward steps for a batch of rows (row b: ``q`` new tokens at positions ``start[b] + i``):
+1. embed the tokens, and for each decoder layer: RMSNorm → q/k/v projections → RoPE at the
+   rows' absolute positions → write k/v into the rows' cache slots → attend over cached
+   positions ``j <= start[b] + i`` (causal; padding past a row's real tokens is never attended by
+   its real queries) → o_proj + residual → RMSNorm → SwiGLU MLP + residual;
+2. record the inputs of the EAGLE3 aux layers (SGLang convention) and the final normed state;
+3. project to logits (all positions, or only the last per row for prefill).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "LlamaShape":
+        if cfg.get("model_type", "llama") != "llama":
+            raise ValueError(f"target model_type {cfg.get('model_type')!r} is not supported (llama only)")
+        rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+        if rope_type not in ("default", None):
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported by the reference engine")
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """SGLang's EAGLE3 default: the inputs of layers 2, n//2 and n-3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, q, heads, hd]; cos/sin: [B, q, hd] gathered at the rows' positions."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class KVCache:
+    """Keys/values for ``num_slots`` sequences: ``[layers, slots, max_len, kv_heads, head_dim]``.
+
+    The cache does not track lengths: the caller passes each row's start position, and positions
+    past a sequence's committed length are simply overwritten by its next forward.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32):
+        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.max_len = max_len
+        self.num_slots = num_slots
+
+
+def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache, layer: int,
+           slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Write k/v at ``positions`` of ``slots`` and attend causally over each row's cache.
+
+    q: [B, q, heads, hd]; k_new/v_new: [B, q, kv_heads, hd]; positions: [B, q] absolute.
+    """
+    bsz, qlen, heads, hd = q.shape
+    cache.k[layer][slots[:, None], positions] = k_new
+    cache.v[layer][slots[:, None], positions] = v_new
+    kv_len = int(positions.max()) + 1
+    slot_list = slots.tolist()
+    if slot_list == list(range(slot_list[0], slot_list[0] + bsz)):
+        keys = cache.k[layer, slot_list[0]:slot_list[0] + bsz, :kv_len]  # view, no copy
+        values = cache.v[layer, slot_list[0]:slot_list[0] + bsz, :kv_len]
+    else:
+        keys = cache.k[layer][slots, :kv_len]
+        values = cache.v[layer][slots, :kv_len]
+    mask = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [B, q, kv_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask[:, None], enable_gqa=heads != keys.shape[2])
+    return out.transpose(1, 2).reshape(bsz, qlen, heads * hd)
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, q or 1, V]
+    aux_hidden: torch.Tensor | None  # [B, q, 3H]
+    final_hidden: torch.Tensor  # [B, q, H], after the final norm
+
+
+class LlamaTarget:
+    """Inference-only Llama (no autograd) over a checkpoint folder (config.json + model.safetensors)."""
+
+    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor],
+                 aux_layer_ids: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+                 max_seq_len: int = 2048):
+        self.shape = shape
+        self.dtype = dtype
+        self.aux_layer_ids = tuple(aux_layer_ids) or default_aux_layer_ids(shape.num_layers)
+        if len(self.aux_layer_ids) != 3 or not all(0 < i < shape.num_layers for i in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be 3 layer ids in 1..{shape.num_layers - 1}, "
+                             f"got {self.aux_layer_ids}")
+        w = {k.removeprefix("model."): v.to(dtype) for k, v in weights.items()}
+        if "lm_head.weight" not in w:
+            if not shape.tie_word_embeddings:
+                raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+            w["lm_head.weight"] = w["embed_tokens.weight"]
+        self.w = w
+        self.max_seq_len = max_seq_len
+        self.cos, self.sin = rope_tables(shape.head_dim, shape.rope_theta, max_seq_len + 64)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, aux_layer_ids: tuple[int, ...] = (),
+                    dtype: torch.dtype = torch.float32, max_seq_len: int = 2048) -> "LlamaTarget":
+        folder = Path(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        weights = load_file(str(folder / "model.safetensors"))
+        return cls(LlamaShape.from_hf_config(cfg), weights, aux_layer_ids, dtype, max_seq_len)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.w["embed_tokens.weight"]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.w["lm_head.weight"]
+
+    def new_cache(self, num_slots: int, max_len: int | None = None) -> KVCache:
+        s = self.shape
+        return KVCache(s.num_layers, num_slots, max_len or self.max_seq_len + 16, s.num_kv_heads,
+                       s.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start: torch.Tensor, cache: KVCache,
+                slots: torch.Tensor, last_only: bool = False, want_aux: bool = True) -> TargetOutput:
+        """input_ids: [B, q]; start: [B] first absolute position of each row's new tokens."""
+        s, w = self.shape, self.w
+        bsz, qlen = input_ids.shape
+        positions = start[:, None] + torch.arange(qlen)[None, :]
+        if int(positions.max()) >= cache.max_len:
+            raise ValueError(f"sequence position {int(positions.max())} exceeds cache length {cache.max_len}")
+        cos, sin = self.cos[positions], self.sin[positions]
+        h = F.embedding(input_ids, w["embed_tokens.weight"])
+        aux: dict[int, torch.Tensor] = {}
+        for i in range(s.num_layers):
+            if want_aux and i in self.aux_layer_ids:
+                aux[i] = h
+            p = f"layers.{i}."
+            x = rms_norm(h, w[p + "input_layernorm.weight"], s.rms_norm_eps)
+            q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(bsz, qlen, s.num_heads, s.head_dim)
+            k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(bsz, qlen, s.num_kv_heads, s.head_dim)
+            v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(bsz, qlen, s.num_kv_heads, s.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attn = attend(q, k, v, cache, i, slots, positions)
+            h = h + F.linear(attn, w[p + "self_attn.o_proj.weight"])
+            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
+            gate = F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"]))
+            h = h + F.linear(gate * F.linear(x, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
+        final = rms_norm(h, w["norm.weight"], s.rms_norm_eps)
+        head_in = final[:, -1:] if last_only else final
+        logits = F.linear(head_in, w["lm_head.weight"])
+        aux_cat = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None
+        return TargetOutput(logits=logits, aux_hidden=aux_cat, final_hidden=final)

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft, verify, accept (plain functions returning tokens and stats)."""

@@ -1,0 +1,192 @@
+"""Speculative decoding as plain functions: draft, verify, accept. No I/O, no logging.
+
+State per batch row ``b`` (kept by the engine): the target has cached positions ``0..t_len-1``;
+``pending`` is the last committed token, not yet fed to the target; ``feed_*`` are the target
+features the drafter has not consumed yet: aux states of positions ``feed_start..t_len-1``, each
+paired with the token that followed it (the last pairing is with ``pending``).
+
+One step (``speculative_step``):
+1. draft: the drafter consumes the feed (writing its KV cache with target features) and its last
+   output proposes d1; then ``gamma-1`` more cached steps on its own hidden stream propose d2..dγ;
+2. verify: one target forward over ``[pending, d1..dγ]`` at positions ``t_len..t_len+γ``;
+3. accept: greedy rows keep the longest prefix equal to the target's argmax, then the target's
+   token; sampling rows use rejection sampling (accept d with prob min(1, p/q), else resample
+   from norm(max(p - q, 0))), which leaves the output distributed exactly as the target's;
+   if every draft is accepted the target's next token is the bonus;
+4. commit: positions ``t_len..t_len+n_acc`` are now valid in the target cache (rejected ones are
+   forgotten by lowering the row's length), and their aux states become the next feed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tide.drafter.model import Eagle3Drafter
+from tide.models.llama import KVCache, LlamaTarget
+
+
+@dataclass
+class RowInput:
+    slot: int
+    t_len: int
+    pending: int
+    feed_start: int
+    feed_tokens: torch.Tensor  # [m] tokens following each feed position (last = pending)
+    feed_aux: torch.Tensor  # [m, 3H]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class RowResult:
+    committed: list[int]  # accepted drafts + correction/bonus token
+    n_accepted: int
+    fed_tokens: torch.Tensor  # [n_accepted+1] tokens fed at positions t_len.. (now cached)
+    aux_hidden: torch.Tensor  # [n_accepted+1, 3H] for those positions
+    final_hidden: torch.Tensor  # [n_accepted+1, H]
+
+
+@dataclass
+class StepStats:
+    gamma: int
+    accepted: list[int] = field(default_factory=list)  # per row
+    position_accepts: list[int] = field(default_factory=list)  # [gamma]: rows accepting draft i
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Softmax at ``temperature`` restricted to the top-p nucleus (the distribution to preserve)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # always keeps the top token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: list[RowInput],
+          gamma: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Propose ``gamma`` target-vocab tokens per row. Returns ([B, γ] ids, per-row q probs [γ, V] or None)."""
+    bsz = len(rows)
+    m = max(r.feed_tokens.numel() for r in rows)
+    tokens = torch.zeros(bsz, m, dtype=torch.long)
+    aux = torch.zeros(bsz, m, rows[0].feed_aux.shape[-1], dtype=rows[0].feed_aux.dtype)
+    positions = torch.zeros(bsz, m, dtype=torch.long)
+    last = torch.zeros(bsz, dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = r.feed_tokens.numel()
+        tokens[b, :n] = r.feed_tokens
+        aux[b, :n] = r.feed_aux
+        # padding continues the row's positions; never attended by real queries (causal)
+        positions[b] = r.feed_start + torch.arange(m)
+        last[b] = n - 1
+    slots = torch.tensor([r.slot for r in rows])
+    d2t_ids = drafter.draft_to_target
+    vocab = embed.shape[0]
+    out_tokens = torch.zeros(bsz, gamma, dtype=torch.long)
+    q_probs: list[list[torch.Tensor]] = [[] for _ in rows]
+    with torch.inference_mode():
+        hidden = drafter.fc(aux.to(drafter.fc.weight.dtype))
+        h = drafter.step(F.embedding(tokens, embed), hidden, cache, slots, positions)
+        h = h[torch.arange(bsz), last][:, None]  # [B, 1, H]
+        pos = positions[torch.arange(bsz), last][:, None]
+        for i in range(gamma):
+            logits = drafter.logits(h)[:, 0].float()  # [B, draft_vocab]
+            for b, r in enumerate(rows):
+                if r.temperature > 0:
+                    q = torch.softmax(logits[b] / r.temperature, dim=-1)
+                    d = int(torch.multinomial(q, 1, generator=r.generator))
+                    full = torch.zeros(vocab)
+                    full[d2t_ids] = q
+                    q_probs[b].append(full)
+                    out_tokens[b, i] = d2t_ids[d]
+                else:
+                    out_tokens[b, i] = d2t_ids[int(logits[b].argmax())]
+            if i + 1 < gamma:
+                pos = pos + 1
+                h = drafter.step(F.embedding(out_tokens[:, i:i + 1], embed), h, cache, slots, pos)
+    return out_tokens, [torch.stack(q) if q else None for q in q_probs]
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """One row: draft [γ], logits [γ+1, V] → (accepted count, next token)."""
+    target = target_logits.argmax(-1)
+    match = (draft_tokens == target[:-1]).long()
+    n = int(match.cumprod(0).sum())
+    return n, int(target[n])
+
+
+def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, target_logits: torch.Tensor,
+                    temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[int, int]:
+    """One row, rejection sampling (Leviathan et al. / Chen et al.): output ~ target distribution."""
+    p = filtered_probs(target_logits, temperature, top_p)  # [γ+1, V]
+    gamma = draft_tokens.numel()
+    for i in range(gamma):
+        d = int(draft_tokens[i])
+        u = float(torch.rand((), generator=generator))
+        if u * float(q_probs[i, d]) < float(p[i, d]):  # u < p/q without dividing by zero
+            continue
+        residual = torch.clamp(p[i] - q_probs[i], min=0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p[i]
+        return i, int(torch.multinomial(dist, 1, generator=generator))
+    return gamma, int(torch.multinomial(p[gamma], 1, generator=generator))
+
+
+def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_tokens: torch.Tensor):
+    """One target forward over [pending, d1..dγ] for every row."""
+    fed = torch.cat([torch.tensor([[r.pending] for r in rows]), draft_tokens], dim=1)
+    start = torch.tensor([r.t_len for r in rows])
+    slots = torch.tensor([r.slot for r in rows])
+    return fed, target.forward(fed, start, cache, slots)
+
+
+def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: KVCache,
+                     drafter_cache: KVCache, rows: list[RowInput], gamma: int) -> tuple[list[RowResult], StepStats]:
+    draft_tokens, q_probs = draft(drafter, target.embed_weight, drafter_cache, rows, gamma)
+    fed, out = verify(target, target_cache, rows, draft_tokens)
+    stats = StepStats(gamma=gamma, position_accepts=[0] * gamma)
+    results = []
+    for b, r in enumerate(rows):
+        if r.temperature > 0:
+            n, nxt = accept_sampling(draft_tokens[b], q_probs[b], out.logits[b], r.temperature, r.top_p, r.generator)
+        else:
+            n, nxt = accept_greedy(draft_tokens[b], out.logits[b])
+        stats.accepted.append(n)
+        for i in range(n):
+            stats.position_accepts[i] += 1
+        results.append(RowResult(
+            committed=draft_tokens[b, :n].tolist() + [nxt], n_accepted=n, fed_tokens=fed[b, :n + 1],
+            aux_hidden=out.aux_hidden[b, :n + 1], final_hidden=out.final_hidden[b, :n + 1]))
+    return results, stats
+
+
+def target_step(target: LlamaTarget, cache: KVCache, rows: list[RowInput]) -> list[RowResult]:
+    """Target-only decoding (no drafter): one token per row; same commit shape as a spec step."""
+    fed = torch.tensor([[r.pending] for r in rows])
+    out = target.forward(fed, torch.tensor([r.t_len for r in rows]), cache,
+                         torch.tensor([r.slot for r in rows]))
+    results = []
+    for b, r in enumerate(rows):
+        if r.temperature > 0:
+            p = filtered_probs(out.logits[b, 0], r.temperature, r.top_p)
+            nxt = int(torch.multinomial(p, 1, generator=r.generator))
+        else:
+            nxt = int(out.logits[b, 0].argmax())
+        results.append(RowResult(committed=[nxt], n_accepted=0, fed_tokens=fed[b],
+                                 aux_hidden=out.aux_hidden[b], final_hidden=out.final_hidden[b]))
+    return results
+
+
+def prefill(target: LlamaTarget, cache: KVCache, slot: int, prompt_ids: list[int]):
+    """Feed a prompt into ``slot``; returns the TargetOutput (logits of the last position only)."""
+    ids = torch.tensor([prompt_ids])
+    return target.forward(ids, torch.tensor([0]), cache, torch.tensor([slot]), last_only=True)
