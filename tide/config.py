@@ -74,6 +74,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     control_token: str = ""  # empty = control endpoints disabled (401 for everyone)
+    # generation requests served at once; more get 503 (each holds a thread while it waits)
+    max_inflight_requests: int = 64
+    max_body_bytes: int = 1_048_576  # larger request bodies get 413
+    shutdown_grace_s: float = 10.0  # on stop, in-flight streams get this long to finish
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,49 @@ class CaptureConfig:
     max_message_bytes: int = 900_000
     compression: str = "zstd"
     flush_timeout_s: float = 10.0
+    # kafka-python 3 has no buffer_memory: the producer thread bounds unacknowledged bytes itself
+    # and drops whole records (counted) beyond this while the broker is slow or down.
+    producer_buffer_bytes: int = 64 * 1024 * 1024
+    linger_ms: int = 5
+    batch_bytes: int = 1024 * 1024
+    delivery_timeout_s: float = 120.0
+    request_timeout_s: float = 10.0
+    connect_timeout_s: float = 2.0  # bootstrap of a (re)created producer; retried after backoff
+    reconnect_backoff_s: float = 2.0
+    request_idle_timeout_s: float = 300.0  # a request with no step for this long is abandoned
+    max_open_requests: int = 1024
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """Kafka -> Parquet ingest service, the dataset it writes, and that dataset's retention."""
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic: str = "tide.hidden-states"
+    dead_letter_topic: str = "tide.hidden-states.dead-letter"
+    group_id: str = "tide-ingest"
+    create_topics: bool = True  # create both topics at start if missing
+    topic_partitions: int = 4
+    replication_factor: int = 1
+    data_dir: str = ""  # empty = <home>/dataset
+    # tansu holds a JoinGroup for ~session_timeout/2: keep it short (see KAFKA.md)
+    session_timeout_ms: int = 6000
+    heartbeat_interval_ms: int = 2000
+    poll_timeout_s: float = 0.5
+    max_poll_records: int = 64
+    max_record_bytes: int = 1_048_576  # larger values go to the dead-letter topic
+    max_partition_fetch_bytes: int = 4 * 1024 * 1024
+    fetch_max_bytes: int = 16 * 1024 * 1024
+    dead_letter_max_bytes: int = 1_000_000  # dead-lettered values beyond this are truncated
+    file_max_rows: int = 2048
+    file_max_bytes: int = 256 * 1024 * 1024
+    roll_interval_s: float = 60.0  # an open file is closed and committed at least this often
+    row_group_rows: int = 64
+    retention_ttl_s: float = 7 * 24 * 3600.0
+    retention_max_bytes: int = 50 * 1024**3
+    retention_interval_s: float = 300.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9102  # 0 = no /metrics endpoint
 
 
 @dataclass(frozen=True)
@@ -118,6 +165,7 @@ class TideConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     home: str = ""  # empty = default_home()
 

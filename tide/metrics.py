@@ -27,5 +27,66 @@ ENGINE_STEP_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2))
 ENGINE_BATCH_SIZE = Gauge("tide_engine_batch_size", "Requests in the running batch")
 ENGINE_QUEUE_DEPTH = Gauge("tide_engine_queue_depth", "Requests waiting to be admitted")
+ENGINE_DRAFTER_FAILURES = Counter(
+    "tide_engine_drafter_failures_total", "Decode steps where the drafter raised and the step ran target-only")
 ENGINE_DRAFTER_INFO = Gauge("tide_engine_drafter_info", "1 for the drafter version now serving",
                             ["drafter_version"])
+
+# --- engine HTTP front end (tide/engine/server.py) ----------------------------------------------
+HTTP_REQUESTS = Counter("tide_engine_http_requests_total", "HTTP requests answered, by route and status",
+                        ["route", "status"])
+HTTP_REQUEST_SECONDS = Histogram(
+    "tide_engine_http_request_seconds", "Wall time from request to last byte (streams included)",
+    ["route"], buckets=(0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+HTTP_INFLIGHT = Gauge("tide_engine_http_inflight_generations", "Generation requests being served")
+HTTP_TTFT_SECONDS = Histogram(
+    "tide_engine_time_to_first_token_seconds", "Request arrival to the engine's first token event",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+# --- capture (tide/capture/) --------------------------------------------------------------------
+CAPTURE_QUEUE_DEPTH = Gauge("tide_capture_queue_depth", "Steps waiting in the capture tap's queue")
+CAPTURE_REQUESTS = Counter("tide_capture_requests_total",
+                           "Requests seen by the tap, by sampling decision", ["decision"])
+CAPTURE_STEPS = Counter("tide_capture_enqueued_steps_total", "Step captures enqueued by the tap")
+CAPTURE_DROPPED_STEPS = Counter(
+    "tide_capture_dropped_steps_total", "Step captures the tap did not enqueue, by reason",
+    ["reason"])
+CAPTURE_DROPPED_RECORDS = Counter(
+    "tide_capture_dropped_records_total", "Request records not delivered to Kafka, by reason",
+    ["reason"])
+CAPTURE_PRODUCED_RECORDS = Counter(
+    "tide_capture_produced_records_total", "Request records whose every chunk the broker acknowledged")
+CAPTURE_PRODUCED_MESSAGES = Counter("tide_capture_produced_messages_total",
+                                    "Kafka messages (chunks) acknowledged")
+CAPTURE_PRODUCED_BYTES = Counter("tide_capture_produced_bytes_total",
+                                 "Value bytes of acknowledged messages (before compression)")
+CAPTURE_PRODUCED_TOKENS = Counter("tide_capture_produced_tokens_total",
+                                  "Positions in acknowledged records")
+CAPTURE_PRODUCE_ERRORS = Counter("tide_capture_produce_errors_total",
+                                 "Failed sends or deliveries, by error class", ["error"])
+CAPTURE_UNACKED_BYTES = Gauge("tide_capture_unacked_bytes", "Bytes sent but not yet acknowledged")
+CAPTURE_OPEN_REQUESTS = Gauge("tide_capture_open_requests",
+                              "Requests whose steps the producer thread is accumulating")
+CAPTURE_BROKER_UP = Gauge("tide_capture_broker_connected", "1 while the producer has a broker")
+
+# --- ingest (tide/dataset/) -----------------------------------------------------------------------
+INGEST_MESSAGES = Counter("tide_ingest_messages_total", "Messages consumed, by outcome",
+                          ["outcome"])  # written | dead_lettered | duplicate
+INGEST_DEAD_LETTERED = Counter("tide_ingest_dead_lettered_total",
+                               "Messages sent to the dead-letter topic, by reason", ["reason"])
+INGEST_ROWS = Counter("tide_ingest_rows_total", "Rows (record chunks) in committed Parquet files")
+INGEST_TOKENS = Counter("tide_ingest_tokens_total", "Positions in committed Parquet files")
+INGEST_FILES = Counter("tide_ingest_files_total", "Parquet files made durable")
+INGEST_FILE_BYTES = Counter("tide_ingest_file_bytes_total", "Bytes of Parquet files made durable")
+INGEST_COMMITS = Counter("tide_ingest_commits_total", "Offset commits, by outcome", ["outcome"])
+INGEST_COMMIT_LAG = Gauge("tide_ingest_commit_lag_messages",
+                          "Messages consumed but not yet committed (in open files)")
+INGEST_LAST_COMMIT = Gauge("tide_ingest_last_commit_timestamp_seconds", "Unix time of last commit")
+INGEST_FLUSH_SECONDS = Histogram(
+    "tide_ingest_flush_seconds", "Close + fsync + rename + index + commit of one flush",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+INGEST_DATASET_BYTES = Gauge("tide_ingest_dataset_bytes", "Bytes of Parquet files in the dataset")
+INGEST_DATASET_FILES = Gauge("tide_ingest_dataset_files", "Parquet files in the dataset")
+INGEST_RETENTION_DELETED = Counter(
+    "tide_ingest_retention_deleted_files_total", "Files deleted or rewritten by retention, by reason",
+    ["reason"])  # ttl | size | request

@@ -55,15 +55,22 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_drafter(drafter: Eagle3Drafter, folder: str | Path, metadata: dict | None = None) -> Path:
-    """Write the export layout atomically (temp folder + rename); returns the folder."""
+def save_drafter(drafter: Eagle3Drafter, folder: str | Path, metadata: dict | None = None,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Write the export layout atomically (temp folder + rename); returns the folder.
+
+    ``dtype`` (e.g. bfloat16) casts floating weights for a smaller artifact; loading casts back.
+    """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         state = {k: v.detach().contiguous().clone() for k, v in drafter.state_dict().items()}
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(drafter.shape.to_hf_config(), indent=2))
+        extra = {"torch_dtype": str(dtype).removeprefix("torch.")} if dtype is not None else None
+        (tmp / CONFIG).write_text(json.dumps(drafter.shape.to_hf_config(extra), indent=2))
         meta = {"sha256": file_sha256(tmp / WEIGHTS), "vocab_mapping": mapping_digest(drafter.d2t),
                 **(metadata or {})}
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))

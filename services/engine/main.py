@@ -1,0 +1,67 @@
+"""Engine service: the reference engine behind the OpenAI-compatible HTTP API.
+
+Steps: load config (YAML via --config, then TIDE_* environment) → log it → build the engine →
+build the app → serve until SIGTERM/SIGINT → drain HTTP, close the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from tide.config import ConfigError, config_as_dict, load_config
+
+log = logging.getLogger("tide.services.engine")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="TIDE engine: speculative decoding over HTTP")
+    parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
+    parser.add_argument("--host", help="override server.host")
+    parser.add_argument("--port", type=int, help="override server.port")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    try:
+        cfg = load_config(args.config, overrides={"server": server_overrides} if server_overrides else None)
+    except (ConfigError, OSError) as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    log.info("resolved config: %s", json.dumps(config_as_dict(cfg), sort_keys=True, default=str))
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    # imported here so --help and config errors answer without loading torch and the model
+    from tide.engine.reference import build_engine
+    from tide.engine.server import build_app, serve
+
+    engine = build_engine(cfg)
+    try:
+        log.info("engine ready: target=%s drafter=%s max_seq_len=%d",
+                 engine.target_model_id, engine.drafter_version, engine.max_seq_len)
+        app = build_app(engine, cfg.server, cfg.engine)
+        serve(app, cfg.server.host, cfg.server.port, stop, grace_s=cfg.server.shutdown_grace_s)
+    finally:
+        engine.close()
+        log.info("engine closed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""OpenAI-compatible request models, their validation, and response bodies.
+
+Validation happens in two stages:
+1. shape and types: :func:`parse_body` validates the raw JSON against a strict pydantic model
+   (unknown fields, wrong types, out-of-range sampling values are rejected with an
+   OpenAI-style ``{"error": {"message", "type", "param"}}`` body naming the offending field);
+2. engine limits: :func:`check_limits` compares the tokenized prompt and ``max_tokens`` with the
+   engine's context and the configured limits, once the prompt length is known.
+
+Everything here is pure (no I/O), so the server module keeps only routing and streaming.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+# Workload tags become capture-record fields and may be used as metric labels: keep them short
+# and free of characters that need escaping anywhere.
+WORKLOAD_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class APIError(Exception):
+    """A request the server refuses; rendered as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param)
+
+
+def error_body(message: str, type_: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": None}}
+
+
+class _Strict(BaseModel):
+    # strict: "10" is not an integer and "true" is not a boolean; clients get told, not guessed at.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (plus TIDE extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None  # range depends on engine config: checked in check_limits
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = Field(None, max_length=256)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # TIDE extensions: a workload tag carried into capture records, and a capture opt-out.
+    workload: str | None = None
+    capture: bool = True
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+        for s in items:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("workload")
+    @classmethod
+    def _workload_tag(cls, v: str | None) -> str | None:
+        if v is not None and not WORKLOAD_PATTERN.match(v):
+            raise ValueError("workload must be 1-64 characters from [A-Za-z0-9_.:-]")
+        return v
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage]
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    # pydantic adds union-member tags ("str", "list[str]") to locations; users never typed those.
+    parts = [str(p) for p in loc
+             if isinstance(p, int) or (str(p).isidentifier() and p not in ("str", "int", "float", "bool"))]
+    return ".".join(parts) or None
+
+
+def parse_body(model: type[_GenerationFields], raw: bytes) -> Any:
+    """Validate raw JSON bytes; raise APIError(400) naming the first problem."""
+    if not raw.strip():
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors()
+    # an unknown field usually explains the rest (e.g. "prompt" sent to the chat endpoint)
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    kind, param = err["type"], _param(err["loc"])
+    more = len(errors) - 1
+    suffix = f" ({more} more problem(s) in this request)" if more else ""
+    if kind == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {err['msg']}")
+    if kind == "model_type":
+        return APIError(400, "request body must be a JSON object")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: '{param}'{suffix}", param=param)
+    if kind == "missing":
+        return APIError(400, f"missing required parameter: '{param}'{suffix}", param=param)
+    msg = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"invalid value for '{param}': {msg}{suffix}", param=param)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The numbers check_limits compares a request against."""
+
+    max_seq_len: int
+    max_prompt_tokens: int
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+
+
+def check_limits(req: _GenerationFields, prompt_len: int, limits: Limits) -> int:
+    """Return the max_new_tokens to use; raise APIError(400) when the request cannot fit.
+
+    Without an explicit max_tokens the default is shortened to fit the context; an explicit one
+    that does not fit is an error (silently generating less than asked would hide it).
+    """
+    if prompt_len > limits.max_prompt_tokens:
+        raise APIError(400, f"prompt has {prompt_len} tokens; the limit is {limits.max_prompt_tokens}",
+                       param="prompt" if isinstance(req, CompletionRequest) else "messages")
+    room = limits.max_seq_len - prompt_len
+    if req.max_tokens is None:
+        if room < 1:
+            raise APIError(400, f"prompt has {prompt_len} tokens and leaves no room in the "
+                                f"model's context of {limits.max_seq_len} tokens")
+        return min(limits.default_max_new_tokens, limits.max_new_tokens_limit, room)
+    if not 1 <= req.max_tokens <= limits.max_new_tokens_limit:
+        raise APIError(400, f"invalid value for 'max_tokens': {req.max_tokens}; must be in "
+                            f"[1, {limits.max_new_tokens_limit}]", param="max_tokens")
+    if req.max_tokens > room:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                            f"the model's context of {limits.max_seq_len} tokens", param="max_tokens")
+    return req.max_tokens
+
+
+# --- response bodies ---------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def tide_extension(drafter_version: str, completion_tokens: int, steps: int) -> dict[str, Any]:
+    """Per-request facts: the drafter that served, and tokens per engine event.
+
+    The engine emits one TokenEvent per decode step that committed tokens for this request, so
+    tokens per event approximates accepted-plus-bonus tokens per target forward (the prefill's
+    event counts as a step, which biases short requests low).
+    """
+    per_step = round(completion_tokens / steps, 3) if steps else 0.0
+    return {"drafter_version": drafter_version, "steps": steps, "tokens_per_step": per_step}
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str,
+                    use: dict[str, int], tide: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use, "tide": tide}
+
+
+def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str,
+              use: dict[str, int], tide: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": use, "tide": tide}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str | None,
+                     finish_reason: str | None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict[str, str],
+               finish_reason: str | None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, int],
+                tide: dict[str, Any]) -> dict[str, Any]:
+    """The final chunk OpenAI sends when stream_options.include_usage is true (no choices)."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": use, "tide": tide}
+
+
+def models_body(model_id: str, created: int | None = None) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model_id, "object": "model",
+                                        "created": created or int(time.time()), "owned_by": "tide"}]}

@@ -1,0 +1,376 @@
+"""The reference engine: batched, lossless EAGLE3 speculative decoding on CPU.
+
+One scheduler thread owns the model state. Each loop iteration:
+1. apply a pending drafter swap (between decode steps): new drafter cache, and every running
+   request re-feeds its whole history of target states to the new drafter on its next step;
+2. admit waiting requests into free cache slots: prefill each, emit its first token;
+3. run one batched step over all running requests (``speculative_step``, or ``target_step``
+   when no drafter serves or the drafter failed this step), emit the committed tokens;
+4. hand the committed positions to the capture sink (enqueue only), update stats/metrics;
+5. finish requests on a stop token, their token budget or the context limit, and free slots.
+Callers get a blocking iterator of TokenEvents; closing it early cancels the request.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from tide import metrics
+from tide.drafter.model import Eagle3Drafter
+from tide.engine.base import (CaptureMeta, CaptureSink, EngineStats, GenerationRequest, StepCapture,
+                              TokenEvent)
+from tide.models.llama import LlamaTarget
+from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step, target_step
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+@dataclass
+class _Running:
+    req: GenerationRequest
+    out: "queue.Queue[TokenEvent]"
+    row: RowInput
+    meta: CaptureMeta
+    hist_tokens: list[int]  # every token fed to the target, then the pending one
+    hist_aux: list[torch.Tensor] = field(default_factory=list)  # aux states of fed positions
+    generated: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class ReferenceEngine:
+    """Implements tide.engine.base.Engine with LlamaTarget + Eagle3Drafter."""
+
+    def __init__(self, target: LlamaTarget, tokenizer, drafter: Eagle3Drafter | None, drafter_version: str,
+                 *, target_model_id: str, draft_len: int = 4, max_batch_size: int = 8,
+                 max_seq_len: int = 1024, eos_ids: tuple[int, ...] = ()):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.target_model_id = target_model_id
+        self.max_seq_len = max_seq_len
+        self.draft_len = draft_len
+        self.max_batch_size = max_batch_size
+        self.eos_ids = tuple(eos_ids)
+        self._drafter = drafter
+        self._version = drafter_version if drafter is not None else "none"
+        self._pending_swap: tuple[Eagle3Drafter | None, str] | None = None
+        self._cache_len = max_seq_len + draft_len + 2
+        self._tcache = target.new_cache(max_batch_size, self._cache_len)
+        self._dcache = drafter.new_cache(max_batch_size, self._cache_len) if drafter is not None else None
+        self._inbox: "queue.Queue[_Running]" = queue.Queue()
+        self._running: dict[int, _Running] = {}
+        self._sink: CaptureSink | None = None
+        self._stats = EngineStats()
+        self._lock = threading.Lock()  # guards _stats and _pending_swap only (never held in a step)
+        self._stop = threading.Event()
+        self.last_swap_pause_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name="tide-engine", daemon=True)
+        self._thread.start()
+        metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
+
+    # --- interface --------------------------------------------------------------------------
+    @property
+    def drafter_version(self) -> str:
+        return self._version
+
+    @property
+    def drafter(self) -> Eagle3Drafter | None:
+        return self._drafter
+
+    def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        if self._stop.is_set():
+            raise RuntimeError("engine is closed")
+        total = len(request.prompt_ids) + request.sampling.max_new_tokens
+        if not request.prompt_ids or total > self.max_seq_len:
+            raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                             f"({request.sampling.max_new_tokens}) must be in 1..{self.max_seq_len}")
+        gen = torch.Generator().manual_seed(request.sampling.seed) if request.sampling.seed is not None else None
+        row = RowInput(slot=-1, t_len=0, pending=-1, feed_start=0, feed_tokens=torch.empty(0),
+                       feed_aux=torch.empty(0), temperature=request.sampling.temperature,
+                       top_p=request.sampling.top_p, generator=gen)
+        meta = CaptureMeta(request_id=request.request_id, target_model_id=self.target_model_id,
+                           drafter_version=self._version, aux_layer_ids=self.target.aux_layer_ids,
+                           workload=request.workload, prompt_len=len(request.prompt_ids),
+                           started_at_s=time.time())
+        running = _Running(req=request, out=queue.Queue(), row=row, meta=meta,
+                           hist_tokens=list(request.prompt_ids))
+        self._inbox.put(running)
+        metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
+        return self._stream(running)
+
+    def swap_drafter(self, drafter: Eagle3Drafter | None, version: str) -> None:
+        with self._lock:
+            self._pending_swap = (drafter, version)
+
+    def set_capture_sink(self, sink: CaptureSink | None) -> None:
+        self._sink = sink
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self._stats.copy()
+
+    def health(self) -> dict:
+        return {"drafter_version": self._version, "running": len(self._running),
+                "waiting": self._inbox.qsize(), "target_model_id": self.target_model_id}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    # --- internals --------------------------------------------------------------------------
+    def _stream(self, running: _Running) -> Iterator[TokenEvent]:
+        try:
+            while True:
+                ev = running.out.get()
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            running.cancelled.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._apply_swap()
+            self._admit()
+            if not self._running:
+                try:
+                    self._inbox_wait()
+                except queue.Empty:
+                    pass
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # a bug must not kill the engine: fail this batch, keep serving
+                log.exception("decode step failed")
+                for slot in list(self._running):
+                    self._finish(slot, "error", error=f"decode step failed: {exc}")
+        for slot in list(self._running):
+            self._finish(slot, "error", error="engine shutting down")
+
+    def _inbox_wait(self) -> None:
+        item = self._inbox.get(timeout=0.05)
+        self._inbox.put(item)  # keep FIFO order simple: _admit takes it next iteration
+
+    def _apply_swap(self) -> None:
+        with self._lock:
+            swap, self._pending_swap = self._pending_swap, None
+        if swap is None:
+            return
+        t0 = time.perf_counter()
+        drafter, version = swap
+        old = self._version
+        self._drafter = drafter
+        self._dcache = drafter.new_cache(self.max_batch_size, self._cache_len) if drafter is not None else None
+        self._version = version if drafter is not None else "none"
+        for r in self._running.values():
+            r.row.feed_start = 0  # the new drafter has seen nothing: re-feed the whole history
+        self.last_swap_pause_s = time.perf_counter() - t0
+        metrics.ENGINE_DRAFTER_INFO.labels(old).set(0)
+        metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
+        log.info("drafter swapped %s -> %s in %.1f ms", old, self._version, self.last_swap_pause_s * 1e3)
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.max_batch_size) if s not in self._running]
+        while free:
+            try:
+                running = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if running.cancelled.is_set():
+                continue
+            slot = free.pop(0)
+            running.row.slot = slot
+            try:
+                self._prefill(slot, running)
+            except Exception as exc:
+                log.exception("prefill failed")
+                running.out.put(TokenEvent((), True, "error", f"prefill failed: {exc}"))
+                self._count_outcome("error")
+        metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
+        metrics.ENGINE_BATCH_SIZE.set(len(self._running))
+
+    def _prefill(self, slot: int, r: _Running) -> None:
+        prompt = list(r.req.prompt_ids)
+        out = prefill(self.target, self._tcache, slot, prompt)
+        logits = out.logits[0, -1]
+        if r.row.temperature > 0:
+            first = int(torch.multinomial(filtered_probs(logits, r.row.temperature, r.row.top_p), 1,
+                                          generator=r.row.generator))
+        else:
+            first = int(logits.argmax())
+        r.meta = CaptureMeta(**{**r.meta.__dict__, "drafter_version": self._version})
+        r.row.t_len, r.row.pending, r.row.feed_start = len(prompt), first, 0
+        r.hist_tokens.append(first)
+        r.hist_aux.append(out.aux_hidden[0])
+        self._running[slot] = r
+        self._capture([StepCapture(r.meta, 0, torch.tensor(prompt), out.aux_hidden[0], out.final_hidden[0],
+                                   is_prompt=True)], r)
+        self._emit(slot, [first])
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        slots = sorted(self._running)
+        for s in slots:  # requests whose reader went away
+            if self._running[s].cancelled.is_set():
+                self._finish(s, "cancelled")
+        slots = sorted(self._running)
+        if not slots:
+            return
+        rows = []
+        for s in slots:
+            r = self._running[s]
+            r.row.feed_tokens = torch.tensor(r.hist_tokens[r.row.feed_start + 1: r.row.t_len + 1])
+            if r.row.feed_start == 0 or len(r.hist_aux) == 1:  # after prefill or a swap: whole history
+                r.row.feed_aux = torch.cat(r.hist_aux)[: r.row.t_len]
+            else:
+                r.row.feed_aux = r.hist_aux[-1]
+            rows.append(r.row)
+        # don't draft past the context limit
+        gamma = min(self.draft_len, min(self._cache_len - 2 - r.t_len for r in rows))
+        version = self._version
+        results, stats = None, None
+        if self._drafter is not None and gamma > 0:
+            try:
+                results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
+                                                  rows, gamma)
+            except Exception:
+                log.exception("drafter step failed; this step runs target-only")
+                metrics.ENGINE_DRAFTER_FAILURES.inc()
+        if results is None:
+            results = target_step(self.target, self._tcache, rows)
+        for s, res in zip(slots, results):
+            r = self._running[s]
+            cap = StepCapture(r.meta, r.row.t_len, res.fed_tokens, res.aux_hidden, res.final_hidden,
+                              is_prompt=False)
+            r.hist_aux.append(res.aux_hidden)
+            r.hist_tokens.extend(res.committed)
+            r.row.feed_start = r.row.t_len
+            r.row.t_len += len(res.committed)
+            r.row.pending = res.committed[-1]
+            self._capture([cap], r)
+        self._record(version, results, stats, len(slots))
+        for s, res in zip(slots, results):
+            self._emit(s, res.committed)
+        metrics.ENGINE_STEP_SECONDS.observe(time.perf_counter() - t0)
+
+    def _record(self, version: str, results, stats, n_rows: int) -> None:
+        with self._lock:
+            st = self._stats
+            st.target_forwards += n_rows
+            acc = st.acceptance.setdefault(version, [0, 0, 0])
+            for res in results:
+                acc[0] += 1
+                acc[1] += res.n_accepted
+                acc[2] += len(res.committed)
+        metrics.ENGINE_TARGET_FORWARDS.labels(version).inc(n_rows)
+        for res in results:
+            metrics.ENGINE_ACCEPT_LENGTH.labels(version).observe(len(res.committed))
+        if stats is not None:
+            metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(stats.gamma * n_rows)
+            metrics.ENGINE_ACCEPTED_TOKENS.labels(version).inc(sum(stats.accepted))
+
+    def _capture(self, caps: list[StepCapture], r: _Running) -> None:
+        sink = self._sink
+        if sink is None or not r.req.capture:
+            return
+        try:
+            sink.offer(caps)
+        except Exception:  # the sink must not raise; if it does, inference goes on
+            log.exception("capture sink raised")
+
+    def _emit(self, slot: int, tokens: list[int]) -> None:
+        r = self._running[slot]
+        sp = r.req.sampling
+        stops = set(sp.stop_token_ids) | set(self.eos_ids)
+        out, reason = [], None
+        for t in tokens:
+            out.append(t)
+            r.generated += 1
+            if t in stops:
+                reason = "stop"
+                break
+            if r.generated >= sp.max_new_tokens:
+                reason = "length"
+                break
+        if reason is None and r.row.t_len + 1 >= self.max_seq_len:
+            reason = "length"
+        with self._lock:
+            self._stats.tokens_generated += len(out)
+        metrics.ENGINE_TOKENS.labels(self._version).inc(len(out))
+        if reason is None:
+            r.out.put(TokenEvent(tuple(out)))
+        else:
+            r.out.put(TokenEvent(tuple(out), True, reason))
+            self._release(slot, reason)
+
+    def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
+        r = self._running.get(slot)
+        if r is None:
+            return
+        r.out.put(TokenEvent((), True, reason, error))
+        self._release(slot, reason)
+
+    def _release(self, slot: int, reason: str) -> None:
+        r = self._running.pop(slot)
+        if self._sink is not None and r.req.capture:
+            self._capture([StepCapture(r.meta, r.row.t_len, torch.empty(0, dtype=torch.long),
+                                       torch.empty(0, r.hist_aux[0].shape[-1]),
+                                       torch.empty(0, self.target.shape.hidden_size), False, True)], r)
+        self._count_outcome("ok" if reason in ("stop", "length") else reason)
+
+    def _count_outcome(self, outcome: str) -> None:
+        with self._lock:
+            if outcome == "ok":
+                self._stats.requests_finished += 1
+            elif outcome == "error":
+                self._stats.requests_failed += 1
+        metrics.ENGINE_REQUESTS.labels(outcome).inc()
+
+
+def load_target(cfg) -> tuple[LlamaTarget, object, Path]:
+    """Target checkpoint (converted once and cached), tokenizer, and the checkpoint folder."""
+    from transformers import AutoTokenizer
+
+    from tide.models.checkpoint import ensure_target_checkpoint
+
+    torch.set_num_threads(cfg.model.torch_threads)
+    folder = ensure_target_checkpoint(cfg.home_path, cfg.model.target)
+    dtype = getattr(torch, cfg.model.dtype)
+    target = LlamaTarget.from_folder(folder, cfg.model.aux_layer_ids, dtype, cfg.model.max_seq_len)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return target, tokenizer, folder
+
+
+def eos_ids_of(tokenizer, folder: Path) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_cfg = folder / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(ids))
+
+
+def build_engine(cfg) -> ReferenceEngine:
+    """The reference engine from a TideConfig: target, tokenizer, and the configured drafter."""
+    from tide.drafter.artifact import TargetSpec, load_drafter
+    from tide.drafter.static import static_drafter_path
+
+    target, tokenizer, folder = load_target(cfg)
+    drafter, version = None, "none"
+    if cfg.spec.enabled:
+        path = static_drafter_path(cfg) if cfg.drafter.path == "static" else Path(cfg.drafter.path)
+        spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
+        drafter = load_drafter(path, spec)
+        version = json.loads((path / "tide.json").read_text()).get("version", path.name) \
+            if (path / "tide.json").exists() else path.name
+    return ReferenceEngine(target, tokenizer, drafter, version, target_model_id=cfg.model.model_id,
+                           draft_len=cfg.spec.draft_len, max_batch_size=cfg.engine.max_batch_size,
+                           max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder))
