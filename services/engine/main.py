@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     from tide.engine.server import build_app, serve
 
     engine = build_engine(cfg)
+    tap = None
+    if cfg.capture.enabled:
+        from tide.capture.tap import CaptureTap
+
+        tap = CaptureTap(cfg.capture)
+        engine.set_capture_sink(tap)
     try:
         log.info("engine ready: target=%s drafter=%s max_seq_len=%d",
                  engine.target_model_id, engine.drafter_version, engine.max_seq_len)
@@ -59,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         serve(app, cfg.server.host, cfg.server.port, stop, grace_s=cfg.server.shutdown_grace_s)
     finally:
         engine.close()
+        if tap is not None:
+            tap.close(cfg.capture.flush_timeout_s)
         log.info("engine closed")
     return 0
 

@@ -150,6 +150,12 @@ class LlamaTarget:
             if not shape.tie_word_embeddings:
                 raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
             w["lm_head.weight"] = w["embed_tokens.weight"]
+        # fused projections: fewer, wider matmuls are markedly faster for the few-token
+        # batches of decode/verify on CPU (small-M GEMM is dominated by per-call overhead)
+        for i in range(shape.num_layers):
+            p = f"layers.{i}."
+            w[p + "qkv"] = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            w[p + "gate_up"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
         self.w = w
         self.max_seq_len = max_seq_len
         self.cos, self.sin = rope_tables(shape.head_dim, shape.rope_theta, max_seq_len + 64)
@@ -185,6 +191,7 @@ class LlamaTarget:
         if int(positions.max()) >= cache.max_len:
             raise ValueError(f"sequence position {int(positions.max())} exceeds cache length {cache.max_len}")
         cos, sin = self.cos[positions], self.sin[positions]
+        kv_dim = s.num_kv_heads * s.head_dim
         h = F.embedding(input_ids, w["embed_tokens.weight"])
         aux: dict[int, torch.Tensor] = {}
         for i in range(s.num_layers):
@@ -192,15 +199,16 @@ class LlamaTarget:
                 aux[i] = h
             p = f"layers.{i}."
             x = rms_norm(h, w[p + "input_layernorm.weight"], s.rms_norm_eps)
-            q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(bsz, qlen, s.num_heads, s.head_dim)
-            k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(bsz, qlen, s.num_kv_heads, s.head_dim)
-            v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(bsz, qlen, s.num_kv_heads, s.head_dim)
+            q, k, v = F.linear(x, w[p + "qkv"]).split([s.num_heads * s.head_dim, kv_dim, kv_dim], dim=-1)
+            q = q.view(bsz, qlen, s.num_heads, s.head_dim)
+            k = k.view(bsz, qlen, s.num_kv_heads, s.head_dim)
+            v = v.reshape(bsz, qlen, s.num_kv_heads, s.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attn = attend(q, k, v, cache, i, slots, positions)
             h = h + F.linear(attn, w[p + "self_attn.o_proj.weight"])
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
-            gate = F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"]))
-            h = h + F.linear(gate * F.linear(x, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
+            gate, up = F.linear(x, w[p + "gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
         final = rms_norm(h, w["norm.weight"], s.rms_norm_eps)
         head_in = final[:, -1:] if last_only else final
         logits = F.linear(head_in, w["lm_head.weight"])

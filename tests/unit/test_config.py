@@ -1,0 +1,45 @@
+"""Config loading: defaults, YAML, env overlay, unknown keys rejected, types coerced."""
+import pytest
+
+from tide.config import ConfigError, config_as_dict, load_config
+
+
+def test_defaults_need_no_file():
+    cfg = load_config(env={})
+    assert cfg.spec.draft_len >= 1 and cfg.model.torch_threads == 1
+
+
+def test_yaml_then_env_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("spec:\n  draft_len: 3\nserver:\n  port: 9000\n")
+    cfg = load_config(f, env={"TIDE_SERVER__PORT": "9100", "TIDE_SPEC__ENABLED": "false"},
+                      overrides={"model": {"aux_layer_ids": "2,15,27"}})
+    assert cfg.spec.draft_len == 3 and cfg.server.port == 9100 and cfg.spec.enabled is False
+    assert cfg.model.aux_layer_ids == (2, 15, 27)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("spec:\n  draft_lenn: 3\n", "unknown key"),
+    ("nosuchsection:\n  a: 1\n", "unknown key"),
+    ("spec:\n  draft_len: three\n", "draft_len"),
+    ("spec: 3\n", "expected a mapping"),
+    ("- a\n- b\n", "top level must be a mapping"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, text, match):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(f, env={})
+
+
+def test_bad_env_is_a_clear_error():
+    with pytest.raises(ConfigError, match="TIDE_A__B__C"):
+        load_config(env={"TIDE_A__B__C": "1"})
+    with pytest.raises(ConfigError, match="enabled"):
+        load_config(env={"TIDE_SPEC__ENABLED": "maybe"})
+
+
+def test_secrets_redacted_in_logged_config():
+    cfg = load_config(env={"TIDE_SERVER__CONTROL_TOKEN": "s3cret"})
+    assert cfg.server.control_token == "s3cret"
+    assert "s3cret" not in str(config_as_dict(cfg))
