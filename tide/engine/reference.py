@@ -308,15 +308,15 @@ class ReferenceEngine:
         if reason is None:
             r.out.put(TokenEvent(tuple(out)))
         else:
+            self._release(slot, reason)  # capture's end marker goes out before the caller sees the end
             r.out.put(TokenEvent(tuple(out), True, reason))
-            self._release(slot, reason)
 
     def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
         r = self._running.get(slot)
         if r is None:
             return
-        r.out.put(TokenEvent((), True, reason, error))
         self._release(slot, reason)
+        r.out.put(TokenEvent((), True, reason, error))
 
     def _release(self, slot: int, reason: str) -> None:
         r = self._running.pop(slot)
