@@ -90,3 +90,35 @@ INGEST_DATASET_FILES = Gauge("tide_ingest_dataset_files", "Parquet files in the 
 INGEST_RETENTION_DELETED = Counter(
     "tide_ingest_retention_deleted_files_total", "Files deleted or rewritten by retention, by reason",
     ["reason"])  # ttl | size | request
+
+# --- scheduler (tide/schedule/) -------------------------------------------------------------------
+SCHED_RETRAINS_LAUNCHED = Counter("tide_scheduler_retrains_launched_total",
+                                  "Retrain jobs launched", ["launcher"])
+SCHED_RETRAINS_FINISHED = Counter(
+    "tide_scheduler_retrains_finished_total", "Retrain jobs finished, by outcome",
+    ["outcome"])  # succeeded | failed | timed_out
+SCHED_RETRAIN_SECONDS = Histogram(
+    "tide_scheduler_retrain_seconds", "Wall time of a retrain job, launch to finish",
+    buckets=(10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200))
+SCHED_NEW_SAMPLES = Gauge("tide_scheduler_new_samples",
+                          "Samples (schedule.sample_unit) since the last successful retrain")
+SCHED_THRESHOLD = Gauge("tide_scheduler_new_samples_threshold",
+                        "New samples needed to launch a retrain")
+SCHED_RUNNING = Gauge("tide_scheduler_retrain_running", "1 while a retrain job is running")
+SCHED_CONSECUTIVE_FAILURES = Gauge("tide_scheduler_consecutive_failures",
+                                   "Failed or timed-out retrains since the last success")
+SCHED_LAST_SUCCESS = Gauge("tide_scheduler_last_success_timestamp_seconds",
+                           "Unix time the last successful retrain finished (0 = never)")
+SCHED_SECONDS_SINCE_SUCCESS = Gauge(
+    "tide_scheduler_seconds_since_last_success",
+    "Seconds since the last successful retrain finished (since scheduler start if never)")
+SCHED_TICKS = Counter("tide_scheduler_ticks_total", "Policy evaluations, by decision",
+                      ["decision"])  # launch | running | cooldown | backoff | not_enough | error
+
+# --- ops (swap watcher, collapse guard, promote/rollback) --------------------------------------
+OPS_SWAPS = Counter("tide_ops_swap_checks_total", "Champion checks by outcome (swapped/refused/error)",
+                    ["outcome"])
+OPS_ROLLBACKS = Counter("tide_ops_rollbacks_total", "Rollbacks by cause (operator/collapse)", ["cause"])
+OPS_COLLAPSE_ALERT = Gauge("tide_ops_collapse_alert", "1 while the collapse guard has fired for the serving drafter")
+OPS_LIVE_ACCEPT = Gauge("tide_ops_live_accept_length_tokens",
+                        "Mean tokens per target forward over the guard's last window", ["drafter_version"])

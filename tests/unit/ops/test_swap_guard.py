@@ -1,0 +1,107 @@
+"""Swap watcher refuses bad artifacts while the champion keeps serving; the guard rolls back collapses."""
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tide.drafter.artifact import TargetSpec, save_drafter
+from tide.drafter.vocab import build_d2t, mapping_digest
+from tide.engine.base import GenerationRequest, SamplingParams
+from tide.engine.reference import ReferenceEngine
+from tide.ops.guard import CollapseGuard
+from tide.ops.swap import SwapWatcher
+from tide.train.offline import new_drafter
+
+
+@pytest.fixture()
+def setup(tiny_target, tiny_drafter, tmp_path):
+    engine = ReferenceEngine(tiny_target, None, tiny_drafter, "1", target_model_id="tiny", draft_len=3,
+                             max_batch_size=2, max_seq_len=200)
+    champion = {"value": None}
+    spec = TargetSpec(64, 512, tiny_target.aux_layer_ids)
+    watcher = SwapWatcher(engine, lambda: champion["value"], spec, mapping_digest(tiny_drafter.d2t),
+                          smoke_prompt_ids=[5, 6, 7, 8], draft_len=3)
+    yield engine, watcher, champion, tmp_path
+    engine.close()
+
+
+def candidate(tiny_target, tiny_drafter, seed):
+    d = new_drafter(tiny_target, tiny_drafter.shape.draft_vocab_size, torch.zeros(512), seed=seed)
+    d.set_vocab_mapping(tiny_drafter.d2t.clone())
+    return d.eval()
+
+
+def serve_one(engine):
+    req = GenerationRequest("x", (9, 10, 11), SamplingParams(max_new_tokens=6))
+    return [t for ev in engine.submit(req) for t in ev.token_ids]
+
+
+def test_valid_version_is_swapped_in(setup, tiny_target, tiny_drafter):
+    engine, watcher, champion, tmp = setup
+    champion["value"] = ("2", save_drafter(candidate(tiny_target, tiny_drafter, 3), tmp / "v2"))
+    out = watcher.check_now()
+    assert out.status == "swapped" and engine.drafter_version == "2"
+    assert watcher.check_now().status == "unchanged"
+    assert watcher.previous[0] == "1"
+
+
+@pytest.mark.parametrize("breakage", ["checksum", "hidden_size", "vocab_mapping", "pickle"])
+def test_bad_artifacts_refused_champion_keeps_serving(setup, tiny_target, tiny_drafter, breakage):
+    engine, watcher, champion, tmp = setup
+    d = candidate(tiny_target, tiny_drafter, 4)
+    folder = save_drafter(d, tmp / "bad")
+    if breakage == "checksum":
+        state = load_file(str(folder / "model.safetensors"))
+        state["fc.weight"] *= 2
+        save_file(state, str(folder / "model.safetensors"))
+    elif breakage == "hidden_size":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["target_hidden_size"] = 128
+        (folder / "config.json").write_text(json.dumps(cfg))
+    elif breakage == "vocab_mapping":
+        d.set_vocab_mapping(build_d2t(torch.arange(512), d.shape.draft_vocab_size))
+        folder = save_drafter(d, tmp / "bad")
+    else:
+        (folder / "model.safetensors").unlink()
+        torch.save(d.state_dict(), folder / "pytorch_model.bin")
+    champion["value"] = ("3", folder)
+    out = watcher.check_now()
+    assert out.status == "refused", out
+    assert engine.drafter_version == "1"
+    assert len(serve_one(engine)) == 6
+    assert watcher.check_now().status == "refused"  # not retried
+
+
+def test_registry_failure_keeps_serving(setup):
+    engine, watcher, _, _ = setup
+
+    def broken():
+        raise ConnectionError("tracking server down")
+    watcher.resolve = broken
+    assert watcher.check_now().status == "error"
+    assert engine.drafter_version == "1" and len(serve_one(engine)) == 6
+
+
+def test_collapse_guard_rolls_back_injected_bad_drafter(setup, tiny_target, tiny_drafter):
+    engine, watcher, champion, tmp = setup
+    reasons = []
+
+    def rollback(reason):
+        reasons.append(reason)
+        version, drafter = watcher.previous
+        watcher.swap_to(version, drafter)
+
+    guard = CollapseGuard(engine, rollback, floor=1.05, min_ratio=0.9, window_forwards=30)
+    guard.baselines["1"] = 3.0  # the champion's live mean before the swap
+    guard.check()
+    bad = candidate(tiny_target, tiny_drafter, 99)
+    with torch.no_grad():
+        bad.lm_head.weight.normal_()  # randomized weights, promoted by hand
+    watcher.swap_to("bad", bad)
+    threads = [threading.Thread(target=serve_one, args=(engine,)) for _ in range(12)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert guard.check() is not None
+    assert engine.drafter_version == "1" and "bad" in reasons[0]

@@ -1,0 +1,1 @@
+"""Drafter operations: swap watcher, collapse guard, promote/rollback."""

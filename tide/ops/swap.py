@@ -1,0 +1,113 @@
+"""Swap watcher: the engine follows the registry's ``champion`` alias.
+
+``check_now`` (called every ``poll_interval_s`` and by the authenticated control endpoint):
+1. resolve the champion: (version, local folder) from the registry; nothing to do if the engine
+   already serves it, or if this exact version was refused before;
+2. validate: checksum, config, shapes and aux layers against the target, the vocab mapping
+   against the serving one (``load_drafter``);
+3. smoke decode a short prompt with the candidate; its greedy output must equal target-only
+   output (a drafter that raises, or breaks losslessness, never reaches traffic);
+4. ``engine.swap_drafter``: applied atomically between decode steps; the previous drafter object
+   is kept so a rollback is immediate.
+Any failure refuses the version, leaves the old drafter serving, and is logged and counted.
+The registry is reached only through the ``resolve`` callable, so this module has no MLflow code.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tide import metrics
+from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter, read_metadata
+from tide.drafter.model import Eagle3Drafter
+from tide.spec.generate import generate
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[], "tuple[str, Path] | None"]
+
+
+@dataclass(frozen=True)
+class SwapOutcome:
+    status: str  # "swapped" | "unchanged" | "refused" | "error"
+    version: str | None
+    detail: str = ""
+    pause_s: float = 0.0
+
+
+class SwapWatcher:
+    def __init__(self, engine, resolve: Resolver, target_spec: TargetSpec, expect_vocab_mapping: str | None,
+                 smoke_prompt_ids: list[int], draft_len: int, poll_interval_s: float = 10.0):
+        self.engine = engine
+        self.resolve = resolve
+        self.target_spec = target_spec
+        self.expect_vocab_mapping = expect_vocab_mapping
+        self.smoke_prompt_ids = list(smoke_prompt_ids)
+        self.draft_len = draft_len
+        self.poll_interval_s = poll_interval_s
+        self.refused: dict[str, str] = {}  # version -> reason (not retried)
+        self.previous: tuple[str, Eagle3Drafter | None] | None = None
+        self._lock = threading.Lock()  # one check at a time (poll loop vs control endpoint)
+
+    def check_now(self) -> SwapOutcome:
+        with self._lock:
+            try:
+                return self._check()
+            except Exception as exc:  # registry down etc.: keep serving, count it
+                log.warning("drafter check failed: %s", exc)
+                metrics.OPS_SWAPS.labels("error").inc()
+                return SwapOutcome("error", None, str(exc))
+
+    def _check(self) -> SwapOutcome:
+        resolved = self.resolve()
+        if resolved is None:
+            return SwapOutcome("unchanged", self.engine.drafter_version, "no champion")
+        version, folder = resolved
+        if version == self.engine.drafter_version:
+            return SwapOutcome("unchanged", version)
+        if version in self.refused:
+            return SwapOutcome("refused", version, self.refused[version])
+        try:
+            drafter = self.validate(folder)
+        except (DrafterError, RuntimeError, ValueError) as exc:
+            self.refused[version] = str(exc)
+            log.error("refusing drafter version %s: %s", version, exc)
+            metrics.OPS_SWAPS.labels("refused").inc()
+            return SwapOutcome("refused", version, str(exc))
+        return self.swap_to(version, drafter)
+
+    def validate(self, folder: Path) -> Eagle3Drafter:
+        drafter = load_drafter(folder, self.target_spec, self.expect_vocab_mapping, require_checksum=True)
+        target = self.engine.target
+        want, _ = generate(target, None, self.smoke_prompt_ids, 8)
+        got, _ = generate(target, drafter, self.smoke_prompt_ids, 8, gamma=self.draft_len)
+        if got != want:
+            raise DrafterError(f"{folder}: smoke decode differs from target-only output")
+        return drafter
+
+    def swap_to(self, version: str, drafter: Eagle3Drafter | None) -> SwapOutcome:
+        old_version, old = self.engine.drafter_version, self.engine.drafter
+        t0 = time.perf_counter()
+        self.engine.swap_drafter(drafter, version)
+        self._wait_applied(version)
+        self.previous = (old_version, old)
+        metrics.OPS_SWAPS.labels("swapped").inc()
+        log.info("serving drafter %s (was %s)", version, old_version)
+        return SwapOutcome("swapped", version, f"from {old_version}", time.perf_counter() - t0)
+
+    def _wait_applied(self, version: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.engine.drafter_version != version and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.poll_interval_s):
+            self.check_now()
+
+
+def version_of(folder: Path) -> str:
+    return str(read_metadata(folder).get("version", folder.name))
