@@ -193,7 +193,7 @@ class Eagle3Drafter(nn.Module):
 
     @torch.inference_mode()
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-             positions: torch.Tensor) -> torch.Tensor:
+             positions: torch.Tensor, first_key: torch.Tensor | None = None) -> torch.Tensor:
         """One cached forward (inference). embeds/hidden: [B, q, H]; positions: [B, q] absolute.
 
         Returns the new hidden stream [B, q, H] (pre-norm); feed it back as ``hidden`` for the next
@@ -203,7 +203,7 @@ class Eagle3Drafter(nn.Module):
         x = layer.attn_input(embeds, hidden)
         cos, sin = self.rope_at(positions)
         q, k, v = layer.self_attn.qkv(x, cos, sin)
-        out = attend(q, k, v, cache, 0, slots, positions)
+        out = attend(q, k, v, cache, 0, slots, positions, first_key)
         return layer.finish(hidden, out)
 
     def causal_forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

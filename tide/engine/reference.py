@@ -43,6 +43,7 @@ class _Running:
     hist_tokens: list[int]  # every token fed to the target, then the pending one
     hist_aux: list[torch.Tensor] = field(default_factory=list)  # aux states of fed positions
     generated: int = 0
+    refeed: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -72,6 +73,7 @@ class ReferenceEngine:
         self._lock = threading.Lock()  # guards _stats and _pending_swap only (never held in a step)
         self._stop = threading.Event()
         self.last_swap_pause_s = 0.0
+        self.refeed_positions = 32
         self._thread = threading.Thread(target=self._loop, name="tide-engine", daemon=True)
         self._thread.start()
         metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
@@ -171,7 +173,10 @@ class ReferenceEngine:
         self._dcache = drafter.new_cache(self.max_batch_size, self._cache_len) if drafter is not None else None
         self._version = version if drafter is not None else "none"
         for r in self._running.values():
-            r.row.feed_start = 0  # the new drafter has seen nothing: re-feed the whole history
+            # the new drafter has seen nothing: feed it the recent history only, so the step
+            # after a swap costs about one normal step; it attends from there on (lossless either way)
+            r.row.feed_start = r.row.drafter_first_pos = max(0, r.row.t_len - self.refeed_positions)
+            r.refeed = True
         self.last_swap_pause_s = time.perf_counter() - t0
         metrics.ENGINE_DRAFTER_INFO.labels(old).set(0)
         metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
@@ -228,8 +233,9 @@ class ReferenceEngine:
         for s in slots:
             r = self._running[s]
             r.row.feed_tokens = torch.tensor(r.hist_tokens[r.row.feed_start + 1: r.row.t_len + 1])
-            if r.row.feed_start == 0 or len(r.hist_aux) == 1:  # after prefill or a swap: whole history
-                r.row.feed_aux = torch.cat(r.hist_aux)[: r.row.t_len]
+            if r.refeed or len(r.hist_aux) == 1:  # after prefill or a swap
+                r.row.feed_aux = torch.cat(r.hist_aux)[r.row.feed_start: r.row.t_len]
+                r.refeed = False
             else:
                 r.row.feed_aux = r.hist_aux[-1]
             rows.append(r.row)

@@ -103,10 +103,12 @@ class KVCache:
 
 
 def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache, layer: int,
-           slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+           slots: torch.Tensor, positions: torch.Tensor, first_key: torch.Tensor | None = None) -> torch.Tensor:
     """Write k/v at ``positions`` of ``slots`` and attend causally over each row's cache.
 
-    q: [B, q, heads, hd]; k_new/v_new: [B, q, kv_heads, hd]; positions: [B, q] absolute.
+    q: [B, q, heads, hd]; k_new/v_new: [B, q, kv_heads, hd]; positions: [B, q] absolute;
+    ``first_key`` ([B], optional): keys before it are not attended (a drafter swapped in mid-request
+    has no keys for the positions before its first feed).
     """
     bsz, qlen, heads, hd = q.shape
     cache.k[layer][slots[:, None], positions] = k_new
@@ -119,7 +121,10 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVC
     else:
         keys = cache.k[layer][slots, :kv_len]
         values = cache.v[layer][slots, :kv_len]
-    mask = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]  # [B, q, kv_len]
+    key_pos = torch.arange(kv_len)[None, None, :]
+    mask = key_pos <= positions[:, :, None]  # [B, q, kv_len]
+    if first_key is not None:
+        mask = mask & (key_pos >= first_key[:, None, None])
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=mask[:, None], enable_gqa=heads != keys.shape[2])

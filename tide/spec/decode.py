@@ -38,6 +38,7 @@ class RowInput:
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    drafter_first_pos: int = 0  # the drafter attends to its keys from here on (set by a swap)
 
 
 @dataclass
@@ -89,13 +90,14 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
         positions[b] = r.feed_start + torch.arange(m)
         last[b] = n - 1
     slots = torch.tensor([r.slot for r in rows])
+    first = torch.tensor([r.drafter_first_pos for r in rows]) if any(r.drafter_first_pos for r in rows) else None
     d2t_ids = drafter.draft_to_target
     vocab = embed.shape[0]
     out_tokens = torch.zeros(bsz, gamma, dtype=torch.long)
     q_probs: list[list[torch.Tensor]] = [[] for _ in rows]
     with torch.inference_mode():
         hidden = drafter.fc(aux.to(drafter.fc.weight.dtype))
-        h = drafter.step(F.embedding(tokens, embed), hidden, cache, slots, positions)
+        h = drafter.step(F.embedding(tokens, embed), hidden, cache, slots, positions, first)
         h = h[torch.arange(bsz), last][:, None]  # [B, 1, H]
         pos = positions[torch.arange(bsz), last][:, None]
         for i in range(gamma):
@@ -112,7 +114,7 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
                     out_tokens[b, i] = d2t_ids[int(logits[b].argmax())]
             if i + 1 < gamma:
                 pos = pos + 1
-                h = drafter.step(F.embedding(out_tokens[:, i:i + 1], embed), h, cache, slots, pos)
+                h = drafter.step(F.embedding(out_tokens[:, i:i + 1], embed), h, cache, slots, pos, first)
     return out_tokens, [torch.stack(q) if q else None for q in q_probs]
 
 
