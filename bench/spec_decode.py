@@ -26,7 +26,7 @@ from tide.config import load_config  # noqa: E402
 from tide.drafter.artifact import TargetSpec, load_drafter  # noqa: E402
 from tide.drafter.static import static_drafter_path  # noqa: E402
 from tide.engine.base import GenerationRequest, SamplingParams  # noqa: E402
-from tide.engine.reference import ReferenceEngine, eos_ids_of, load_target  # noqa: E402
+from tide.engine.reference import ReferenceEngine, load_target  # noqa: E402
 from tide.spec.generate import generate  # noqa: E402
 from tide.train.offline import render_prompt  # noqa: E402
 from tide import workloads  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(overrides={"model": {"torch_threads": args.threads}})
     gamma = args.gamma or cfg.spec.draft_len
-    target, tok, folder = load_target(cfg)
+    target, tok, _ = load_target(cfg)
     path = Path(args.drafter) if args.drafter else static_drafter_path(cfg)
     drafter = load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids))
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
@@ -109,7 +109,6 @@ def main() -> int:
             ("speedup (spec / target-only)", f"{summary['speedup']:.3f}x"),
             ("greedy outputs identical", f"{identical}/{len(prompts)}")]
     if args.batch:
-        eos = eos_ids_of(tok, folder)
         common = dict(target_model_id=cfg.model.model_id, draft_len=gamma, max_seq_len=cfg.model.max_seq_len, eos_ids=())
         plain = batched(((target, tok, None, "none"), common), prompts, args.max_new_tokens, args.batch)
         spec = batched(((target, tok, drafter, "static"), common), prompts, args.max_new_tokens, args.batch)
@@ -117,7 +116,6 @@ def main() -> int:
         rows += [(f"engine batch={args.batch} target-only tok/s", f"{plain:.2f}"),
                  (f"engine batch={args.batch} speculative tok/s", f"{spec:.2f}"),
                  (f"engine batch={args.batch} speedup", f"{spec / plain:.3f}x")]
-        del eos
     print_table(f"speculative decoding bench ({args.workload}, {args.max_new_tokens} new tokens/prompt)", rows)
     write_json(args.json, summary)
     return 0

@@ -10,6 +10,7 @@ This module imports nothing else from ``tide`` so every component can depend on 
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import json
 import os
@@ -134,25 +135,128 @@ class IngestConfig:
     file_max_bytes: int = 256 * 1024 * 1024
     roll_interval_s: float = 60.0  # an open file is closed and committed at least this often
     row_group_rows: int = 64
+    row_group_bytes: int = 32 * 1024 * 1024  # a row group is also closed at this size
     retention_ttl_s: float = 7 * 24 * 3600.0
     retention_max_bytes: int = 50 * 1024**3
     retention_interval_s: float = 300.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9102  # 0 = no /metrics endpoint
+    # sys.setswitchinterval for the service: the consumer's IO thread, the decode loop and the
+    # Parquet writer thread share the GIL; Python's 5 ms default starved the IO thread
+    switch_interval_s: float = 0.0002
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Offline/online EAGLE3 training."""
 
-    ttt_length: int = 7
+    # 4 = the default draft_len: deeper TTT steps train draft positions that are never used, and
+    # each step costs as much as the first (measured ~3 ms/token/step on one CPU thread)
+    ttt_length: int = 4
     step_weight_decay: float = 0.8
     lr: float = 3e-4
-    epochs: int = 2
+    epochs: int = 1  # online retrains warm-start on fresh traffic: one pass (time-bounded)
     batch_tokens: int = 2048
     max_seq_len: int = 512
     draft_vocab_size: int = 8192
     seed: int = 0
+    # --- online retrain (tide/train/online.py; data selection in tide/train/window.py) ---
+    # the recent window: the newest window_samples requests, else those captured within window_s
+    # of the newest one; both 0 = all data is recent (nothing to replay)
+    window_samples: int = 0
+    window_s: float = 3600.0
+    replay_ratio: float = 0.25  # older requests replayed per recent training request
+    # requests whose id hashes below this are held out for evaluation, never trained on
+    heldout_fraction: float = 0.1
+    heldout_max_samples: int = 64  # newest held-out requests of the window that are evaluated
+    min_heldout_samples: int = 2  # topped up from the window's lowest hashes when fewer
+    min_samples: int = 16  # fewer recent training requests -> "nothing to do"
+    # cap on recent training tokens (newest first; replay comes on top); 0 = none. With the
+    # default replay ratio a retrain sees ~50k tokens: ~10 CPU minutes (bench/retrain.py)
+    max_train_tokens: int = 40_000
+    max_train_s: float = 900.0  # training stops here; the drafter so far is evaluated
+    train_on_prompt: bool = True  # prompt positions train too (their teacher is the target's own)
+    data_dir: str = ""  # empty = the ingest data_dir (<home>/dataset)
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """MLflow tracking store and model registry (tide/registry.py)."""
+
+    tracking_uri: str = ""  # empty = sqlite:///<home>/mlflow/mlflow.db
+    registry_uri: str = ""  # empty = tracking_uri
+    artifact_location: str = ""  # new experiment's artifact root; empty = <home>/mlflow/artifacts
+    experiment_name: str = "tide-retrain"
+    registered_model_name: str = "tide-drafter-smollm2"
+    cache_dir: str = ""  # downloaded versions; empty = <home>/registry-cache
+    http_timeout_s: float = 10.0  # per request to a tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT)
+    http_max_retries: int = 2  # MLFLOW_HTTP_REQUEST_MAX_RETRIES
+    # a pending registration or RUNNING run whose process cannot be checked (another host) is
+    # treated as dead after this long
+    stale_after_s: float = 7200.0
+
+
+@dataclass(frozen=True)
+class OpsConfig:
+    """Drafter operations (tide/ops/): the engine following the registry, collapse guard, promotion."""
+
+    follow_registry: bool = True  # False = serve drafter.path only, no registry, no control ops
+    follow_alias: str = "champion"
+    poll_interval_s: float = 10.0  # how often the engine checks the alias (also POST /control/check)
+    registry_retry_s: float = 15.0  # registry unreachable: retry connecting this often
+    bootstrap_static: bool = True  # empty registry: register the configured drafter as champion
+    # the candidate must reproduce target-only greedy output on this prompt before it may serve
+    smoke_prompt: str = "Hello! Write one short sentence about the sea."
+    refeed_positions: int = 32  # on a swap, the new drafter re-reads this many recent positions
+    guard_enabled: bool = True
+    guard_interval_s: float = 5.0
+    guard_floor: float = 1.2  # tokens per target forward below which the serving version collapsed
+    guard_min_ratio: float = 0.6  # ... or below this fraction of the previous version's live mean
+    guard_window_forwards: int = 200  # target forwards (request rows) per judged window
+    auto_promote: bool = False  # the retrain job promotes its challenger when the policy agrees
+    # challenger's held-out sim accept length must be >= its parent's (the champion) x (1 + margin)
+    auto_promote_margin: float = 0.05
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Retrain scheduler: when a retrain launches, how (local process or Kubernetes Job), its lease."""
+
+    interval_s: float = 60.0  # how often the trigger policy runs
+    # launch when this many new samples (in sample_unit, from the dataset index) arrived since the
+    # last successful retrain; units: tokens | generated_tokens | requests | rows
+    min_new_samples: int = 50_000
+    sample_unit: str = "tokens"
+    target_model: str = ""  # count only this target model's data; empty = all
+    cooldown_s: float = 1800.0  # after a successful retrain, wait at least this long
+    job_timeout_s: float = 3600.0  # a retrain running longer is killed and recorded timed_out
+    kill_grace_s: float = 10.0  # SIGTERM -> SIGKILL of a local job's process group
+    backoff_base_s: float = 60.0  # after n consecutive failures wait base * 2**(n-1) s ...
+    backoff_max_s: float = 3600.0  # ... at most this long
+    launcher: str = "local"  # local | kubernetes
+    # the scheduler appends [--config FILE] --result-json PATH; "{python}" = the scheduler's python
+    command: tuple[str, ...] = ("{python}", "-m", "tide.cli", "train", "--online")
+    state_path: str = ""  # empty = <home>/scheduler/state.json (job logs and results beside it)
+    history_max_jobs: int = 50  # finished jobs kept in the state file
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9103  # /metrics and /health; 0 = none
+    k8s_namespace: str = "tide"
+    k8s_image: str = "tide:latest"
+    k8s_image_pull_policy: str = "IfNotPresent"
+    k8s_service_account: str = ""
+    k8s_job_name_prefix: str = "tide-retrain"
+    k8s_node_selector: Mapping[str, str] = field(default_factory=dict)  # the training pool
+    k8s_tolerations: tuple[str, ...] = ()  # "key=value:Effect" or "key:Effect" (operator Exists)
+    k8s_gpu_resource: str = "nvidia.com/gpu"  # or amd.com/gpu
+    k8s_gpu_count: int = 1  # 0 = CPU-only job
+    k8s_cpu: str = "4"
+    k8s_memory: str = "32Gi"
+    k8s_env: Mapping[str, str] = field(default_factory=dict)  # extra env for the job's container
+    k8s_config_map: str = ""  # ConfigMap with key config.yaml, mounted at /etc/tide in the job
+    k8s_data_pvc: str = ""  # PVC holding the Parquet dataset, mounted at k8s_data_mount_path
+    k8s_data_mount_path: str = "/data/dataset"
+    k8s_ttl_after_finished_s: int = 86400
+    k8s_in_cluster: bool = True  # False = use ~/.kube/config (running outside the cluster)
 
 
 @dataclass(frozen=True)
@@ -167,6 +271,9 @@ class TideConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
     home: str = ""  # empty = default_home()
 
     @property
@@ -203,7 +310,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 value = [v for v in value.split(",") if v.strip()]
             (elem,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
             return tuple(_coerce(v, elem, where) for v in value)
-        if origin in (Mapping, dict, typing.Mapping):
+        # get_origin(Mapping[...]) is collections.abc.Mapping, not typing.Mapping
+        if origin in (Mapping, dict, typing.Mapping, collections.abc.Mapping):
             if isinstance(value, str):
                 value = json.loads(value) if value.strip() else {}
             if not isinstance(value, Mapping):

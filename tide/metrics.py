@@ -31,6 +31,9 @@ ENGINE_DRAFTER_FAILURES = Counter(
     "tide_engine_drafter_failures_total", "Decode steps where the drafter raised and the step ran target-only")
 ENGINE_DRAFTER_INFO = Gauge("tide_engine_drafter_info", "1 for the drafter version now serving",
                             ["drafter_version"])
+ENGINE_SWAP_PAUSE_SECONDS = Histogram(
+    "tide_engine_swap_pause_seconds", "Time the decode loop spent applying one drafter swap",
+    buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1))
 
 # --- engine HTTP front end (tide/engine/server.py) ----------------------------------------------
 HTTP_REQUESTS = Counter("tide_engine_http_requests_total", "HTTP requests answered, by route and status",
@@ -122,3 +125,8 @@ OPS_ROLLBACKS = Counter("tide_ops_rollbacks_total", "Rollbacks by cause (operato
 OPS_COLLAPSE_ALERT = Gauge("tide_ops_collapse_alert", "1 while the collapse guard has fired for the serving drafter")
 OPS_LIVE_ACCEPT = Gauge("tide_ops_live_accept_length_tokens",
                         "Mean tokens per target forward over the guard's last window", ["drafter_version"])
+OPS_REGISTRY_CONNECTED = Gauge("tide_ops_registry_connected",
+                               "1 while the engine's drafter follower last reached the registry")
+OPS_OPERATIONS = Counter("tide_ops_operations_total",
+                         "Drafter control API calls (list/promote/rollback/operations), by outcome",
+                         ["op", "outcome"])

@@ -102,16 +102,18 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: tor
     draft_ids = drafter.draft_to_target
     total = torch.zeros(())
     losses, accs = [], []
-    for step, logits, mask, final in unroll(drafter, embed, batch, length):
+    with torch.no_grad():  # the teacher is computed once and shifted with the unroll
+        teacher_all = teacher_logits(batch.final, lm_head_weight, draft_ids)
+    for step, logits, mask, _ in unroll(drafter, embed, batch, length):
         with torch.no_grad():
-            teacher = teacher_logits(final, lm_head_weight, draft_ids)
+            teacher = shift_left(teacher_all, 1 + step)
             p = torch.softmax(teacher, dim=-1)
         logq = torch.log_softmax(logits.float(), dim=-1)
         denom = mask.sum().clamp_min(1.0)
         loss = -((p * logq).sum(-1) * mask).sum() / denom
         total = total + (step_weight ** step) * loss
-        losses.append(float(loss))
-        accs.append(float(((logits.argmax(-1) == teacher.argmax(-1)).float() * mask).sum() / denom))
+        losses.append(float(loss.detach()))
+        accs.append(float(((logits.argmax(-1) == teacher.argmax(-1)).float() * mask).sum() / denom.detach()))
     return total, losses, accs
 
 

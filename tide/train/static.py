@@ -40,9 +40,9 @@ class StaticRecipe:
     vocab_text_conversations: int = 3000
     draft_vocab_size: int = 8192
     intermediate_size: int = 1024
-    epochs: int = 3
+    epochs: int = 2
     lr: float = 1e-3
-    batch_tokens: int = 4096
+    batch_tokens: int = 1024
     ttt_length: int = 4
     gamma: int = 4
     seed: int = 0

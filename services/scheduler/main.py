@@ -1,0 +1,98 @@
+"""Scheduler service: launches a retrain when enough new data has arrived (APScheduler interval).
+
+Steps: load config (YAML via --config, then TIDE_* environment) → log it → open the dataset index
+and the state file → build the launcher (local process or Kubernetes Job) → serve /metrics and
+/health → tick every ``schedule.interval_s`` until SIGTERM/SIGINT → stop scheduling (a tick in
+progress finishes) → close.
+
+On shutdown a running retrain is NOT stopped or waited for: a retrain takes minutes to hours,
+longer than any termination grace period. A local job runs in its own session and survives; the
+state file records its pid and start time, and the next scheduler re-adopts it (polls it, enforces
+its deadline, records its outcome) instead of launching another. A Kubernetes Job is re-adopted
+the same way by name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from tide.config import ConfigError, config_as_dict, load_config
+
+log = logging.getLogger("tide.services.scheduler")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="TIDE scheduler: launches online retrains")
+    parser.add_argument("--config", help="YAML config file (sections as in tide/config.py); "
+                                         "also passed on to the retrain command")
+    parser.add_argument("--data-dir", help="override ingest.data_dir (the dataset to count)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, overrides={"ingest": {"data_dir": args.data_dir}}
+                          if args.data_dir else None)
+    except (ConfigError, OSError) as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    log.info("resolved config: %s", json.dumps(config_as_dict(cfg), sort_keys=True, default=str))
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s: stopping the scheduler (running retrains keep running)",
+                 signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    from tide.dataset.index import DatasetIndex
+    from tide.schedule import RetrainScheduler, StateStore, build_launcher, default_state_path
+    from tide.schedule.health_server import HealthServer
+
+    scfg = cfg.schedule
+    data_dir = cfg.ingest.data_dir or str(cfg.home_path / "dataset")
+    state_path = default_state_path(cfg)
+    try:
+        launcher = build_launcher(cfg, args.config, state_path)
+    except (ValueError, ImportError) as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # one INFO line per tick otherwise
+    index = DatasetIndex(data_dir)
+    try:
+        scheduler = RetrainScheduler(scfg, index, StateStore(state_path), launcher)
+    except ValueError as exc:
+        log.error("bad configuration: %s", exc)
+        index.close()
+        return 2
+    server = None
+    try:
+        if scfg.metrics_port:
+            server = HealthServer(scfg.metrics_host, scfg.metrics_port, scheduler.health).start()
+        scheduler.start()
+        log.info("scheduling retrains: every %gs, >= %d new %s in %s, %s launcher, state %s",
+                 scfg.interval_s, scfg.min_new_samples, scfg.sample_unit, data_dir,
+                 launcher.kind, state_path)
+        stop.wait()
+    finally:
+        scheduler.stop()
+        if server is not None:
+            server.close()
+        index.close()
+        log.info("scheduler closed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Scheduler test helpers: the retrain stub command and a real dataset index to fill."""
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tide.config import ScheduleConfig
+from tide.dataset.index import DatasetIndex
+from tide.dataset.writer import FileStats
+
+from retrain_stub import kill_stubs  # noqa: E402 - this folder is on sys.path (conftest)
+
+STUB = Path(__file__).with_name("retrain_stub.py")
+
+
+class Kit:
+    def __init__(self, tmp_path: Path):
+        self.tmp = tmp_path
+        self.launches = tmp_path / "launches.jsonl"
+        self.control = tmp_path / "control.json"
+        self.state_path = tmp_path / "sched" / "state.json"
+        self.index = DatasetIndex(tmp_path / "dataset")
+        self._n = 0
+
+    def command(self) -> tuple[str, ...]:
+        return (sys.executable, str(STUB), "--launches", str(self.launches),
+                "--control", str(self.control))
+
+    def set_control(self, mode: str, sleep_s: float = 0.0) -> None:
+        self.control.write_text(json.dumps({"mode": mode, "sleep_s": sleep_s}))
+
+    def launched(self) -> list[dict]:
+        if not self.launches.exists():
+            return []
+        return [json.loads(line) for line in self.launches.read_text().splitlines()]
+
+    def add_file(self, tokens: int, created_at_s: float | None = None, model: str = "org/m",
+                 rows: int = 4, requests: int = 2) -> FileStats:
+        """One index entry as ingest adds it (no Parquet content is read by the scheduler)."""
+        self._n += 1
+        stats = FileStats(path=f"f{self._n}.parquet", target_model=model, topic="t", partition=0,
+                          first_offset=self._n * 100, last_offset=self._n * 100 + rows - 1,
+                          rows=rows, requests=requests, tokens=tokens,
+                          generated_tokens=tokens // 2, min_time_s=1.0, max_time_s=2.0,
+                          bytes=1000, created_at_s=time.time() if created_at_s is None
+                          else created_at_s)
+        self.index.add(stats, [f"r{self._n}-{i}" for i in range(requests)])
+        return stats
+
+    def config(self, **overrides) -> ScheduleConfig:
+        base = dict(interval_s=0.2, min_new_samples=100, cooldown_s=0.0, job_timeout_s=30.0,
+                    kill_grace_s=0.5, backoff_base_s=10.0, backoff_max_s=100.0,
+                    command=self.command(), state_path=str(self.state_path))
+        base.update(overrides)
+        return ScheduleConfig(**base)
+
+
+@pytest.fixture
+def kit(tmp_path):
+    k = Kit(tmp_path)
+    yield k
+    k.index.close()
+    kill_stubs(k.launched(), k.state_path)
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "it"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def until():
+    return wait_until

@@ -1,0 +1,128 @@
+"""Kubernetes launcher without a cluster: the Job manifest it builds and how it reads Job status.
+
+Both are pure functions over the official client's model objects (pydantic-validated in client
+37+); these tests use those real objects, serialised the way the client sends them. Nothing here
+talks to an API server, and nothing pretends to be one: create/read/delete/list against a real
+cluster is not covered by this suite.
+"""
+import pytest
+from kubernetes import client
+
+from tide.config import ScheduleConfig, load_config
+from tide.schedule.kubernetes_launcher import (build_job, interpret_job_status, job_env, job_name,
+                                               parse_toleration)
+
+
+def _sc(**kw) -> ScheduleConfig:
+    base = dict(launcher="kubernetes", k8s_namespace="ml", k8s_image="registry/tide:1.2",
+                k8s_node_selector={"pool": "training"},
+                k8s_tolerations=("gpu=true:NoSchedule", "dedicated:NoExecute"),
+                k8s_gpu_resource="amd.com/gpu", k8s_gpu_count=2, k8s_cpu="8", k8s_memory="64Gi",
+                k8s_config_map="tide-config", k8s_data_pvc="tide-dataset",
+                job_timeout_s=5400.0, k8s_ttl_after_finished_s=600,
+                k8s_service_account="tide-trainer")
+    base.update(kw)
+    return ScheduleConfig(**base)
+
+
+def _manifest(sc, env=None) -> dict:
+    job = build_job(sc, "20250101-120000-abc123", env or {"MLFLOW": "x"})
+    assert isinstance(job, client.V1Job)
+    return client.ApiClient().sanitize_for_serialization(job)
+
+
+def test_manifest_runs_once_on_the_training_pool():
+    m = _manifest(_sc())
+    assert (m["apiVersion"], m["kind"]) == ("batch/v1", "Job")
+    assert m["metadata"]["name"] == "tide-retrain-20250101-120000-abc123"
+    assert m["metadata"]["namespace"] == "ml"
+    assert m["metadata"]["labels"]["tide.dev/job-id"] == "20250101-120000-abc123"
+    spec = m["spec"]
+    assert spec["backoffLimit"] == 0
+    assert spec["activeDeadlineSeconds"] == 5400
+    assert spec["ttlSecondsAfterFinished"] == 600
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["nodeSelector"] == {"pool": "training"}
+    assert pod["serviceAccountName"] == "tide-trainer"
+    assert pod["tolerations"] == [
+        {"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Exists", "effect": "NoExecute"}]
+    assert spec["template"]["metadata"]["labels"] == m["metadata"]["labels"]
+
+
+def test_container_command_resources_env_and_volumes():
+    (c,) = _manifest(_sc())["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "registry/tide:1.2"
+    assert c["command"] == ["python", "-m", "tide.cli", "train", "--online",
+                            "--config", "/etc/tide/config.yaml",
+                            "--result-json", "/tmp/tide-retrain-result.json"]
+    assert c["resources"]["limits"] == {"cpu": "8", "memory": "64Gi", "amd.com/gpu": "2"}
+    assert "amd.com/gpu" not in c["resources"]["requests"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env == {"MLFLOW": "x", "TIDE_RETRAIN_JOB_ID": "20250101-120000-abc123"}
+    mounts = {v["name"]: v for v in c["volumeMounts"]}
+    assert mounts["config"]["mountPath"] == "/etc/tide" and mounts["dataset"]["readOnly"]
+    vols = {v["name"]: v for v in _manifest(_sc())["spec"]["template"]["spec"]["volumes"]}
+    assert vols["config"]["configMap"]["name"] == "tide-config"
+    assert vols["dataset"]["persistentVolumeClaim"] == {"claimName": "tide-dataset",
+                                                        "readOnly": True}
+
+
+def test_cpu_only_job_has_no_gpu_and_no_optional_fields():
+    m = _manifest(_sc(k8s_gpu_count=0, k8s_gpu_resource="nvidia.com/gpu", k8s_config_map="",
+                      k8s_data_pvc="", k8s_node_selector={}, k8s_tolerations=(),
+                      k8s_service_account=""))
+    pod = m["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"cpu": "8", "memory": "64Gi"}
+    for absent in ("nodeSelector", "tolerations", "volumes", "serviceAccountName"):
+        assert absent not in pod
+    assert "--config" not in pod["containers"][0]["command"]
+
+
+def test_job_env_carries_bootstrap_servers_dataset_and_overrides():
+    cfg = load_config(env={}, overrides={
+        "ingest": {"bootstrap_servers": "kafka:9092"},
+        "schedule": {"k8s_data_pvc": "ds", "k8s_env": {"TIDE_HOME": "/cache", "A": "1"}}})
+    env = job_env(cfg)
+    assert env["TIDE_INGEST__BOOTSTRAP_SERVERS"] == "kafka:9092"
+    assert env["TIDE_INGEST__DATA_DIR"] == "/data/dataset"
+    assert env["TIDE_HOME"] == "/cache" and env["A"] == "1"
+
+
+def test_names_and_tolerations_are_validated():
+    assert len(job_name("x" * 70, "id")) <= 63
+    assert job_name("Tide_Retrain", "ID") == "tide-retrain-id"
+    for bad in ("gpu=true", "gpu:Sometimes", ":NoSchedule"):
+        with pytest.raises(ValueError, match="k8s_tolerations"):
+            parse_toleration(bad)
+
+
+def _job(conditions=None, active=None) -> client.V1Job:
+    return client.V1Job(metadata=client.V1ObjectMeta(name="j"),
+                        status=client.V1JobStatus(active=active, conditions=conditions))
+
+
+def _cond(type_, status="True", reason=None, message=None):
+    return client.V1JobCondition(type=type_, status=status, reason=reason, message=message)
+
+
+def test_status_interpretation():
+    assert interpret_job_status(_job(active=1)) is None
+    assert interpret_job_status(client.V1Job()) is None  # just created: no status yet
+    assert interpret_job_status(_job([_cond("Suspended")])) is None
+    assert interpret_job_status(_job([_cond("Complete", status="False")])) is None
+    done = interpret_job_status(_job([_cond("SuccessCriteriaMet"), _cond("Complete")]))
+    assert done.succeeded
+    failed = interpret_job_status(_job([_cond("Failed", reason="BackoffLimitExceeded",
+                                              message="Job has reached the specified backoff")]))
+    assert failed.status == "failed" and "BackoffLimitExceeded" in failed.reason
+    late = interpret_job_status(_job([_cond("Failed", reason="DeadlineExceeded")]))
+    assert late.status == "timed_out"
+
+
+def test_launcher_rejects_bad_config_before_any_launch():
+    from tide.schedule.kubernetes_launcher import KubernetesLauncher
+
+    with pytest.raises(ValueError, match="k8s_tolerations"):
+        KubernetesLauncher(_sc(k8s_tolerations=("gpu",)), {})

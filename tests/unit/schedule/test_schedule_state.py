@@ -1,0 +1,76 @@
+"""State file: round trip, atomic saves, corrupt files refused, exclusive lock across processes."""
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateError, StateStore
+
+
+def test_round_trip_keeps_everything(tmp_path):
+    store = StateStore(tmp_path / "s" / "state.json")
+    assert store.load() == SchedulerState()  # no file yet: a fresh state
+    with store.transaction() as state:
+        state.running = RunningJob("j2", "local", 10.0, 40.0, 5.5, 123, {"pid": 42, "pgid": 42})
+        state.last_success = FinishedJob("j1", "local", 1.0, 2.0, "succeeded", "exit 0", 5.5, 99,
+                                         0, "7", "run-1")
+        state.history = [state.last_success]
+        state.consecutive_failures, state.last_failure_at_s, state.launched_total = 2, 3.0, 2
+    loaded = store.load()
+    assert loaded.running.handle == {"pid": 42, "pgid": 42}
+    assert loaded.last_success.version == "7" and loaded.last_success.watermark_s == 5.5
+    assert (loaded.consecutive_failures, loaded.last_failure_at_s, loaded.launched_total) == (2, 3.0, 2)
+    assert loaded.history == [loaded.last_success]
+    assert list(store.path.parent.glob(".*.tmp")) == []  # no temporary left behind
+
+
+def test_saves_even_when_the_body_raises(tmp_path):
+    store = StateStore(tmp_path / "state.json")
+    with pytest.raises(RuntimeError):
+        with store.transaction() as state:
+            state.launched_total = 1  # e.g. a job was launched, then something failed
+            raise RuntimeError("after launch")
+    assert store.load().launched_total == 1
+
+
+def test_corrupt_file_is_refused_and_left_untouched(tmp_path):
+    store = StateStore(tmp_path / "state.json")
+    store.path.write_text("{not json")
+    with pytest.raises(StateError, match="state.json"):
+        store.load()
+    with pytest.raises(StateError):
+        with store.transaction():
+            pass
+    assert store.path.read_text() == "{not json"  # nothing lost: an operator can inspect it
+    store.path.write_text(json.dumps({"version": 99}))
+    with pytest.raises(StateError, match="version"):
+        store.load()
+
+
+def test_transaction_excludes_another_process(tmp_path):
+    """A second process's transaction waits until the first releases the lock."""
+    path = tmp_path / "state.json"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from tide.schedule.state import StateStore
+        with StateStore({str(path)!r}).transaction() as s:
+            s.launched_total = 5
+            print("locked", flush=True)
+            time.sleep(1.0)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        started = time.monotonic()
+        with StateStore(path).transaction() as state:
+            waited = time.monotonic() - started
+            seen = state.launched_total
+            state.launched_total += 1
+        assert waited > 0.5, waited  # blocked while the other process held it
+        assert seen == 5  # and then saw what it wrote
+        assert StateStore(path).load().launched_total == 6
+    finally:
+        holder.kill()
+        holder.wait()

@@ -1,0 +1,208 @@
+"""Retrain as a Kubernetes batch/v1 Job on the training pool (official ``kubernetes`` client).
+
+``build_job`` and ``interpret_job_status`` are pure functions over the client's model objects, so
+the manifest and the status rules are tested without a cluster. The Job:
+- runs one pod, never retried by Kubernetes (``backoffLimit: 0``, ``restartPolicy: Never``): the
+  scheduler owns retries and their backoff;
+- is killed by Kubernetes after ``activeDeadlineSeconds`` (= ``job_timeout_s``; reported as
+  ``Failed``/``DeadlineExceeded`` -> timed_out) and deleted ``ttlSecondsAfterFinished`` later;
+- lands on the training pool through node selector and tolerations, asks for
+  ``k8s_gpu_count`` of ``k8s_gpu_resource`` (``nvidia.com/gpu``, ``amd.com/gpu``, ...);
+- carries labels that let a restarted scheduler (or one whose state file was lost) find it.
+The Job's name derives from the job id alone, so a launch interrupted before the scheduler saved
+its handle is found again by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Mapping
+
+from tide.schedule.launcher import ENV_JOB_ID, JobSpec, Outcome
+
+log = logging.getLogger(__name__)
+
+MANAGED_BY = "tide-scheduler"
+LABEL_JOB_ID = "tide.dev/job-id"
+CONFIG_MOUNT = "/etc/tide"
+RESULT_PATH_IN_POD = "/tmp/tide-retrain-result.json"
+_API_TIMEOUT_S = 30
+
+
+def job_name(prefix: str, job_id: str) -> str:
+    """DNS-1123 name: lower case, at most 63 characters."""
+    name = f"{prefix}-{job_id}".lower().replace("_", "-")
+    return name[:63].rstrip("-")
+
+
+def parse_toleration(text: str):
+    """``key=value:Effect`` (operator Equal) or ``key:Effect`` (operator Exists), as kubectl taint."""
+    from kubernetes import client
+
+    key_value, sep, effect = text.rpartition(":")
+    if not sep or not key_value or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+        raise ValueError(f"schedule.k8s_tolerations: {text!r} is not 'key[=value]:Effect'")
+    key, eq, value = key_value.partition("=")
+    if eq:
+        return client.V1Toleration(key=key, operator="Equal", value=value, effect=effect)
+    return client.V1Toleration(key=key, operator="Exists", effect=effect)
+
+
+def job_env(cfg: Any) -> dict[str, str]:
+    """Environment for the job's container from the whole TideConfig: bootstrap servers, every
+    section's ``tracking_uri``, the mounted dataset's path, then ``schedule.k8s_env`` on top."""
+    sc = cfg.schedule
+    env = {"TIDE_INGEST__BOOTSTRAP_SERVERS": cfg.ingest.bootstrap_servers}
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section) and getattr(section, "tracking_uri", ""):
+            env[f"TIDE_{f.name.upper()}__TRACKING_URI"] = str(section.tracking_uri)
+    if sc.k8s_data_pvc:
+        env["TIDE_INGEST__DATA_DIR"] = sc.k8s_data_mount_path
+    env.update(sc.k8s_env)
+    return env
+
+
+def build_job(sc: Any, job_id: str, env: Mapping[str, str]):
+    """The V1Job for one retrain (``sc`` is the ScheduleConfig)."""
+    from kubernetes import client
+
+    labels = {"app.kubernetes.io/name": "tide-retrain", "app.kubernetes.io/managed-by": MANAGED_BY,
+              LABEL_JOB_ID: job_id}
+    argv = ["python" if arg == "{python}" else arg for arg in sc.command]
+    volumes, mounts = [], []
+    if sc.k8s_config_map:
+        argv += ["--config", f"{CONFIG_MOUNT}/config.yaml"]
+        volumes.append(client.V1Volume(name="config", config_map=client.V1ConfigMapVolumeSource(
+            name=sc.k8s_config_map)))
+        mounts.append(client.V1VolumeMount(name="config", mount_path=CONFIG_MOUNT, read_only=True))
+    if sc.k8s_data_pvc:
+        volumes.append(client.V1Volume(
+            name="dataset", persistent_volume_claim=client.V1PersistentVolumeClaimVolumeSource(
+                claim_name=sc.k8s_data_pvc, read_only=True)))
+        mounts.append(client.V1VolumeMount(name="dataset", mount_path=sc.k8s_data_mount_path,
+                                           read_only=True))
+    argv += ["--result-json", RESULT_PATH_IN_POD]
+    limits = {"cpu": sc.k8s_cpu, "memory": sc.k8s_memory}
+    if sc.k8s_gpu_count > 0:
+        limits[sc.k8s_gpu_resource] = str(sc.k8s_gpu_count)
+    container = client.V1Container(
+        name="retrain", image=sc.k8s_image, image_pull_policy=sc.k8s_image_pull_policy,
+        command=argv,
+        env=[client.V1EnvVar(name=k, value=str(v))
+             for k, v in sorted({**env, ENV_JOB_ID: job_id}.items())],
+        resources=client.V1ResourceRequirements(
+            limits=limits, requests={"cpu": sc.k8s_cpu, "memory": sc.k8s_memory}),
+        volume_mounts=mounts or None)
+    pod = client.V1PodSpec(
+        restart_policy="Never", containers=[container],
+        node_selector=dict(sc.k8s_node_selector) or None,
+        tolerations=[parse_toleration(t) for t in sc.k8s_tolerations] or None,
+        service_account_name=sc.k8s_service_account or None, volumes=volumes or None)
+    return client.V1Job(
+        api_version="batch/v1", kind="Job",
+        metadata=client.V1ObjectMeta(name=job_name(sc.k8s_job_name_prefix, job_id),
+                                     namespace=sc.k8s_namespace, labels=labels),
+        spec=client.V1JobSpec(
+            backoff_limit=0, active_deadline_seconds=max(1, int(sc.job_timeout_s)),
+            ttl_seconds_after_finished=sc.k8s_ttl_after_finished_s,
+            template=client.V1PodTemplateSpec(metadata=client.V1ObjectMeta(labels=labels),
+                                              spec=pod)))
+
+
+def interpret_job_status(job: Any) -> Outcome | None:
+    """None while the Job runs; its outcome once a terminal condition (Complete/Failed) is True.
+
+    Counts alone (``status.succeeded``/``failed``) are not enough: the Job controller sets the
+    terminal condition only after the pod's cleanup, and that is when the Job is really over.
+    """
+    status = job.status
+    for cond in (status.conditions or []) if status is not None else []:
+        if cond.status != "True":
+            continue
+        if cond.type == "Complete":
+            return Outcome("succeeded", "Job Complete")
+        if cond.type == "Failed":
+            reason = cond.reason or "Failed"
+            detail = f"Job Failed: {reason}" + (f" ({cond.message})" if cond.message else "")
+            return Outcome("timed_out" if reason == "DeadlineExceeded" else "failed", detail)
+    return None
+
+
+class KubernetesLauncher:
+    kind = "kubernetes"
+
+    def __init__(self, sc: Any, env: Mapping[str, str], api: Any = None) -> None:
+        self.sc = sc
+        self.env = dict(env)
+        self._api = api
+        build_job(sc, "config-check", self.env)  # a bad toleration fails at start, not per launch
+
+    @property
+    def api(self):
+        if self._api is None:
+            from kubernetes import client, config
+
+            if self.sc.k8s_in_cluster:
+                config.load_incluster_config()
+            else:
+                config.load_kube_config()
+            self._api = client.BatchV1Api()
+        return self._api
+
+    def _handle(self, job_id: str) -> dict:
+        return {"name": job_name(self.sc.k8s_job_name_prefix, job_id),
+                "namespace": self.sc.k8s_namespace}
+
+    def launch(self, spec: JobSpec) -> dict:
+        from kubernetes.client.exceptions import ApiException
+
+        job = build_job(self.sc, spec.job_id, self.env)
+        try:
+            self.api.create_namespaced_job(self.sc.k8s_namespace, job,
+                                           _request_timeout=_API_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status != 409:  # 409: created by an earlier, interrupted launch of this id
+                raise
+        log.info("created Job %s/%s", self.sc.k8s_namespace, job.metadata.name)
+        return self._handle(spec.job_id)
+
+    def _read(self, handle: Mapping[str, Any]):
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self.api.read_namespaced_job_status(handle["name"], handle["namespace"],
+                                                       _request_timeout=_API_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def poll(self, handle: Mapping[str, Any]) -> Outcome | None:
+        job = self._read(handle)
+        if job is None:
+            return Outcome("failed", "Job disappeared before it was seen finishing")
+        return interpret_job_status(job)
+
+    def kill(self, handle: Mapping[str, Any]) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.api.delete_namespaced_job(handle["name"], handle["namespace"],
+                                           propagation_policy="Background",
+                                           _request_timeout=_API_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def find(self, job_id: str) -> dict | None:
+        job = self._read(self._handle(job_id))
+        return None if job is None or interpret_job_status(job) is not None else self._handle(job_id)
+
+    def find_active(self) -> list[tuple[str, dict]]:
+        jobs = self.api.list_namespaced_job(
+            self.sc.k8s_namespace, label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}",
+            _request_timeout=_API_TIMEOUT_S)
+        return [(j.metadata.labels[LABEL_JOB_ID], self._handle(j.metadata.labels[LABEL_JOB_ID]))
+                for j in jobs.items
+                if interpret_job_status(j) is None and LABEL_JOB_ID in (j.metadata.labels or {})]

@@ -1,0 +1,107 @@
+"""What every launcher shares: the job spec, the outcome of a finished job, the result-file contract.
+
+The retrain command (``tide train --online ... --result-json PATH``) exits 0 when it registered a
+version or found nothing to do, non-zero on failure, and writes a JSON object with ``status``
+("registered" | "nothing_to_do" | "failed"), ``version``, ``run_id`` and ``metrics``. A job counts as
+succeeded only when both agree: exit code 0 (where the launcher can know it) and a success status.
+A launcher's handle is a JSON-serialisable dict, so the scheduler can persist it in its state file
+and a restarted scheduler can poll or kill a job it did not start.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+SUCCESS_STATUSES = ("registered", "nothing_to_do")
+# environment markers a launched job carries: they let a restarted scheduler find its own jobs
+ENV_JOB_ID = "TIDE_RETRAIN_JOB_ID"
+ENV_STATE_PATH = "TIDE_RETRAIN_STATE_PATH"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One retrain to launch: its id and where its log and result file go (local launches)."""
+
+    job_id: str
+    result_path: Path
+    log_path: Path
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended. ``status``: succeeded | failed | timed_out."""
+
+    status: str
+    reason: str
+    exit_code: int | None = None
+    result: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "succeeded"
+
+
+class Launcher(Protocol):
+    kind: str
+
+    def launch(self, spec: JobSpec) -> dict:
+        """Start the job; return its handle (JSON-serialisable)."""
+
+    def poll(self, handle: Mapping[str, Any]) -> Outcome | None:
+        """None while the job runs; its outcome once it has ended."""
+
+    def kill(self, handle: Mapping[str, Any]) -> None:
+        """Stop the job and everything it started; returns once it is gone (or deletion is asked)."""
+
+    def find(self, job_id: str) -> dict | None:
+        """Handle of a running job with this id (a launch interrupted before its handle was saved)."""
+
+    def find_active(self) -> list[tuple[str, dict]]:
+        """(job id, handle) of running jobs this scheduler launched, found without the state file."""
+
+
+def read_result(path: str | Path | None) -> tuple[dict, str]:
+    """The job's result JSON and a problem description ('' when it was read fine)."""
+    if not path:
+        return {}, "no result file expected"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}, "no result file"
+    except (OSError, ValueError) as exc:
+        return {}, f"unreadable result file ({exc})"
+    if not isinstance(data, dict) or "status" not in data:
+        return {}, "result file has no 'status'"
+    return data, ""
+
+
+def outcome_from_exit(exit_code: int | None, result_path: str | Path | None) -> Outcome:
+    """Judge a finished local job from its exit code (None = unknown: not our child) and result."""
+    result, problem = read_result(result_path)
+    status = str(result.get("status", ""))
+    code_text = "exit code unknown" if exit_code is None else f"exit {exit_code}"
+    if exit_code not in (None, 0):
+        detail = f", result status {status!r}" if status else f", {problem}"
+        return Outcome("failed", code_text + detail, exit_code, result)
+    if problem:
+        return Outcome("failed", f"{code_text}, {problem}", exit_code, result)
+    if status not in SUCCESS_STATUSES:
+        return Outcome("failed", f"{code_text}, result status {status!r}", exit_code, result)
+    return Outcome("succeeded", f"{code_text}, {status}", exit_code, result)
+
+
+def build_launcher(cfg: Any, config_path: str | None, state_path: Path) -> Launcher:
+    """The launcher named by ``cfg.schedule.launcher`` (cfg is the whole TideConfig)."""
+    kind = cfg.schedule.launcher
+    if kind == "local":
+        from tide.schedule.local_launcher import LocalLauncher
+
+        return LocalLauncher(cfg.schedule.command, config_path, state_path,
+                             kill_grace_s=cfg.schedule.kill_grace_s)
+    if kind == "kubernetes":
+        from tide.schedule.kubernetes_launcher import KubernetesLauncher, job_env
+
+        return KubernetesLauncher(cfg.schedule, job_env(cfg))
+    raise ValueError(f"schedule.launcher: unknown launcher {kind!r}; known: local, kubernetes")

@@ -1,0 +1,227 @@
+"""The retrain scheduler: an APScheduler interval job that runs one policy tick at a time.
+
+One tick, inside the state file's lock (``StateStore.transaction``):
+1. if a retrain is recorded as running: poll it through its launcher; past its deadline, kill it
+   (timed_out); once it has ended, record the outcome (success resets the failure streak and
+   advances the data watermark; failure or timeout extends the streak, which sets the backoff);
+   a "launching" record without a handle (scheduler died mid-launch) is resolved by job id;
+2. on the first tick of this process, with nothing recorded as running: ask the launcher for jobs
+   it can find without the state file (local: processes carrying this state file's marker;
+   Kubernetes: Jobs with our labels) and adopt one, so even a lost state file does not double-run;
+3. count new samples from the dataset index, apply the policy, and launch when it says so.
+APScheduler runs ticks with ``max_instances=1, coalesce=True`` on one worker thread, so ticks never
+overlap and a slow tick does not queue a burst. APScheduler's own job stores would persist the
+schedule, not which retrain runs; the lease is the state file, so the in-memory store suffices.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from tide import metrics
+from tide.schedule.launcher import JobSpec, Launcher, Outcome
+from tide.schedule.policy import (Decision, check_config, count_new_samples, decide,
+                                  newest_created_s, watermark_of)
+from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateStore
+
+log = logging.getLogger(__name__)
+# Kubernetes enforces activeDeadlineSeconds itself and reports DeadlineExceeded; the scheduler
+# deletes the Job only if that did not happen within this margin
+_K8S_DEADLINE_MARGIN_S = 120.0
+
+
+class RetrainScheduler:
+    def __init__(self, cfg: Any, index: Any, store: StateStore, launcher: Launcher,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``cfg`` is the ScheduleConfig; ``index`` a DatasetIndex (only summary/files are used)."""
+        check_config(cfg)
+        self.cfg = cfg
+        self.index = index
+        self.store = store
+        self.launcher = launcher
+        self.clock = clock
+        self.jobs_dir = store.path.parent / "jobs"
+        self._orphans_checked = False
+        self._aps = None
+        self._snapshot_lock = threading.Lock()
+        self._started_s = clock()
+        self._snapshot: dict[str, Any] = {"last_tick_s": None, "last_error": None}
+        self._last_success_s: float | None = None
+        metrics.SCHED_THRESHOLD.set(cfg.min_new_samples)
+        metrics.SCHED_RETRAINS_LAUNCHED.labels(launcher.kind)  # exported as 0 before any launch
+        for outcome in ("succeeded", "failed", "timed_out"):
+            metrics.SCHED_RETRAINS_FINISHED.labels(outcome)
+        metrics.SCHED_SECONDS_SINCE_SUCCESS.set_function(
+            lambda: time.time() - (self._last_success_s or self._started_s))
+
+    # --- one tick ---------------------------------------------------------------------------
+    def tick(self) -> Decision:
+        now = self.clock()
+        with self.store.transaction() as state:
+            if state.running is not None:
+                self._check_running(state, now)
+                self._orphans_checked = True
+            elif not self._orphans_checked:
+                self._adopt_orphans(state, now)
+            watermark = watermark_of(state)
+            new = count_new_samples(self.index, watermark, self.cfg.sample_unit,
+                                    self.cfg.target_model)
+            decision = decide(state, new, now, self.cfg)
+            if decision.launch:
+                self._launch(state, now, new, watermark)
+            self._publish(state, decision, now)
+        metrics.SCHED_TICKS.labels(decision.reason).inc()
+        return decision
+
+    def safe_tick(self) -> None:
+        """The APScheduler job: a failing tick is logged and counted, and the next one retries."""
+        try:
+            self.tick()
+        except Exception as exc:  # noqa: BLE001 - the service must keep ticking
+            log.exception("scheduler tick failed")
+            metrics.SCHED_TICKS.labels("error").inc()
+            with self._snapshot_lock:
+                self._snapshot.update(last_error=f"{type(exc).__name__}: {exc}",
+                                      last_tick_s=self.clock())
+
+    def _check_running(self, state: SchedulerState, now: float) -> None:
+        job = state.running
+        assert job is not None
+        if job.launcher != self.launcher.kind:  # its handle means nothing to this launcher
+            raise RuntimeError(
+                f"{self.store.path} records a running {job.launcher} retrain ({job.job_id}) but "
+                f"schedule.launcher is {self.launcher.kind}: switch back until it has finished")
+        if job.handle is None:
+            job.handle = self.launcher.find(job.job_id)
+            if job.handle is None:
+                self._finish(state, Outcome("failed", "launch interrupted; no job found"), now)
+                return
+            log.warning("retrain %s: found the job of an interrupted launch", job.job_id)
+        try:
+            outcome = self.launcher.poll(job.handle)
+        except Exception as exc:  # noqa: BLE001 - e.g. API server unreachable: ask next tick
+            log.warning("retrain %s: cannot poll (%s)", job.job_id, exc)
+            outcome = None
+        if outcome is None and now >= job.deadline_s:
+            log.error("retrain %s: still running at its deadline; killing it", job.job_id)
+            self.launcher.kill(job.handle)
+            outcome = Outcome("timed_out", f"ran longer than job_timeout_s="
+                                           f"{self.cfg.job_timeout_s:g}; killed")
+        if outcome is not None:
+            self._finish(state, outcome, now)
+
+    def _finish(self, state: SchedulerState, outcome: Outcome, now: float) -> None:
+        job = state.running
+        assert job is not None
+        result = outcome.result or {}
+        record = FinishedJob(
+            job.job_id, job.launcher, job.started_at_s, now, outcome.status, outcome.reason,
+            job.watermark_s, job.new_samples, outcome.exit_code,
+            version=None if result.get("version") is None else str(result["version"]),
+            run_id=None if result.get("run_id") is None else str(result["run_id"]))
+        state.running = None
+        state.history = [*state.history, record][-max(1, self.cfg.history_max_jobs):]
+        if outcome.succeeded:
+            state.last_success = record
+            state.consecutive_failures = 0
+            state.last_failure_at_s = None
+            log.info("retrain %s succeeded (%s)", job.job_id, outcome.reason)
+        else:
+            state.consecutive_failures += 1
+            state.last_failure_at_s = now
+            log.error("retrain %s %s (%s); %d failure(s) in a row", job.job_id, outcome.status,
+                      outcome.reason, state.consecutive_failures)
+        metrics.SCHED_RETRAINS_FINISHED.labels(outcome.status).inc()
+        metrics.SCHED_RETRAIN_SECONDS.observe(max(0.0, now - job.started_at_s))
+
+    def _launch(self, state: SchedulerState, now: float, new: int,
+                watermark: float | None) -> None:
+        job_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{secrets.token_hex(3)}"
+        margin = _K8S_DEADLINE_MARGIN_S if self.launcher.kind == "kubernetes" else 0.0
+        state.running = RunningJob(
+            job_id, self.launcher.kind, now, now + self.cfg.job_timeout_s + margin,
+            newest_created_s(self.index, watermark, self.cfg.target_model), new)
+        state.launched_total += 1
+        self.store.checkpoint(state)  # the intent survives a crash during launch
+        spec = JobSpec(job_id, self.jobs_dir / f"{job_id}.result.json",
+                       self.jobs_dir / f"{job_id}.log")
+        try:
+            state.running.handle = self.launcher.launch(spec)
+        except Exception as exc:  # noqa: BLE001 - recorded as a failure; backoff applies
+            log.exception("retrain %s: launch failed", job_id)
+            self._finish(state, Outcome("failed", f"launch failed: {type(exc).__name__}: {exc}"),
+                         now)
+            return
+        metrics.SCHED_RETRAINS_LAUNCHED.labels(self.launcher.kind).inc()
+        log.info("retrain %s launched (%d new %s)", job_id, new, self.cfg.sample_unit)
+
+    def _adopt_orphans(self, state: SchedulerState, now: float) -> None:
+        try:
+            active = self.launcher.find_active()
+        except Exception as exc:  # noqa: BLE001 - try again next tick
+            log.warning("cannot look for running retrain jobs (%s)", exc)
+            return
+        self._orphans_checked = True
+        if not active:
+            return
+        if len(active) > 1:
+            log.error("%d retrain jobs found running; adopting %s only", len(active), active[0][0])
+        job_id, handle = active[0]
+        log.warning("adopting running retrain %s not recorded in %s", job_id, self.store.path)
+        state.running = RunningJob(job_id, self.launcher.kind, now, now + self.cfg.job_timeout_s,
+                                   watermark_of(state), 0, handle)
+
+    def _publish(self, state: SchedulerState, decision: Decision, now: float) -> None:
+        last = state.last_success
+        self._last_success_s = last.finished_at_s if last is not None else None
+        metrics.SCHED_NEW_SAMPLES.set(decision.new_samples)
+        metrics.SCHED_RUNNING.set(1 if state.running is not None else 0)
+        metrics.SCHED_CONSECUTIVE_FAILURES.set(state.consecutive_failures)
+        metrics.SCHED_LAST_SUCCESS.set(last.finished_at_s if last is not None else 0)
+        with self._snapshot_lock:
+            self._snapshot = {
+                "last_tick_s": now, "last_error": None, "decision": decision.reason,
+                "new_samples": decision.new_samples, "threshold": self.cfg.min_new_samples,
+                "wait_s": round(decision.wait_s, 3),
+                "running": state.running.job_id if state.running is not None else None,
+                "consecutive_failures": state.consecutive_failures,
+                "last_success_job": last.job_id if last is not None else None,
+                "launched_total": state.launched_total}
+
+    # --- service plumbing -------------------------------------------------------------------
+    def health(self) -> tuple[bool, dict]:
+        """Healthy while ticks succeed and the last one is recent (3 intervals + 30 s)."""
+        with self._snapshot_lock:
+            snap = dict(self._snapshot)
+        last = snap.get("last_tick_s") or self._started_s
+        stale = self.clock() - last > 3 * self.cfg.interval_s + 30
+        return (snap.get("last_error") is None and not stale), snap
+
+    def start(self) -> None:
+        from apscheduler.executors.pool import ThreadPoolExecutor
+        from apscheduler.schedulers.background import BackgroundScheduler
+        from apscheduler.triggers.interval import IntervalTrigger
+
+        self._aps = BackgroundScheduler(executors={"default": ThreadPoolExecutor(1)},
+                                        timezone=timezone.utc)
+        self._aps.add_job(self.safe_tick, IntervalTrigger(seconds=self.cfg.interval_s),
+                          id="retrain-policy", max_instances=1, coalesce=True,
+                          misfire_grace_time=None, next_run_time=datetime.now(timezone.utc))
+        self._aps.start()
+
+    def stop(self) -> None:
+        """Stop scheduling; waits for a tick in progress. Running retrains are left running."""
+        if self._aps is not None:
+            self._aps.shutdown(wait=True)
+            self._aps = None
+
+
+def default_state_path(cfg: Any) -> Path:
+    """``schedule.state_path`` or ``<home>/scheduler/state.json`` (cfg is the whole TideConfig)."""
+    return Path(cfg.schedule.state_path) if cfg.schedule.state_path else (
+        cfg.home_path / "scheduler" / "state.json")
