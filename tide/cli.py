@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from tide.config import config_as_dict, load_config
@@ -25,9 +26,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tide.train.static import StaticRecipe, train_static
 
     cfg = _config(args)
+    if args.online:
+        from tide.train.online import run_cli
+        return run_cli(cfg, args.result_json, progress=sys.stderr.isatty())
+    if args.export_specforge:
+        from tide.train.online import export_window
+        manifest = export_window(cfg, Path(args.export_specforge))
+        print(json.dumps({k: v for k, v in manifest.items() if k != "request_ids"}, indent=2))
+        return 0
     if not args.static:
-        print("only `tide train --static` is available offline; online retrains run from the scheduler",
-              file=sys.stderr)
+        print("choose --static, --online or --export-specforge DIR", file=sys.stderr)
         return 2
     recipe = StaticRecipe()
     if args.quick:
@@ -68,12 +76,45 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from tide.demo import run_sample
+def cmd_drafters(args: argparse.Namespace) -> int:
+    from tide.ops.commands import run_drafters
+
+    return run_drafters(args, _config(args))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start the whole loop and keep it running until Ctrl-C / SIGTERM."""
+    import signal
+    import threading
+
+    from tide.stack import Stack, StackOptions
 
     cfg = _config(args)
-    run_sample(cfg.home_path, args.prompt)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stack = Stack(StackOptions(cfg.home_path, args.bootstrap_servers or "", args.tracking_uri or "",
+                               args.data_dir or "", args.durable_broker))
+    print("starting TIDE (broker, MLflow, engine, ingest, scheduler) ...", flush=True)
+    stack.start()
+    try:
+        print("TIDE is up:\n" + stack.describe() + "\nCtrl-C stops everything.", flush=True)
+        stop.wait()
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tide.demo import DemoSettings, run_demo
+
+    cfg = _config(args)
+    settings = DemoSettings.quick() if args.quick else DemoSettings()
+    report = Path(args.report) if args.report else cfg.home_path / "reports" / time.strftime("demo-%Y%m%d-%H%M%S")
+    summary = run_demo(cfg.home_path, report, settings, args.before, args.after,
+                       args.bootstrap_servers or "", args.tracking_uri or "")
+    return 0 if summary.get("traffic", {}).get("after", {}).get("failed", 1) == 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,10 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", help="data/cache folder (default $TIDE_HOME or ~/.cache/tide)")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("train", help="train the static drafter offline")
+    p = sub.add_parser("train", help="train a drafter: the static one offline, or an online retrain")
     p.add_argument("--static", action="store_true", help="the static pre-trained drafter (ShareGPT English)")
     p.add_argument("--quick", action="store_true", help="a small, fast run (tests)")
     p.add_argument("--out", help="output folder (default <home>/drafters/static)")
+    p.add_argument("--online", action="store_true",
+                   help="one retrain from the captured dataset: warm start from the champion, register a challenger")
+    p.add_argument("--result-json", help="(--online) write status/version/run_id/metrics here")
+    p.add_argument("--export-specforge", metavar="DIR",
+                   help="write the current training window in SpecForge's offline format")
+    # accepted after the verb too (the scheduler appends them); SUPPRESS keeps a value given before it
+    p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.add_argument("--home", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("serve", help="run the engine's HTTP server")
@@ -98,8 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-spec", action="store_true", help="target-only decoding")
     p.set_defaults(fn=cmd_ask)
 
-    p = sub.add_parser("demo", help="the main job: run the engine and serve a sample request")
-    p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
+    p = sub.add_parser("up", help="start broker, MLflow, engine, ingest and scheduler until Ctrl-C")
+    p.add_argument("--bootstrap-servers", help="use this Kafka instead of starting a local broker")
+    p.add_argument("--tracking-uri", help="use this MLflow instead of starting a local server")
+    p.add_argument("--data-dir", help="Parquet dataset folder (default <home>/dataset)")
+    p.add_argument("--durable-broker", action="store_true", help="tansu on S3 (SeaweedFS) instead of memory")
+    p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("demo", help="the main job: the drafter adapts to a workload shift, end to end")
+    p.add_argument("--quick", action="store_true", help="a short run (CI smoke, <= 8 min)")
+    p.add_argument("--before", default="chat", help="workload before the shift: chat|code|korean|FILE.jsonl")
+    p.add_argument("--after", default="code", help="workload after the shift: chat|code|korean|FILE.jsonl")
+    p.add_argument("--report", help="report folder (default <home>/reports/demo-<time>)")
+    p.add_argument("--bootstrap-servers", help="use this Kafka instead of a local broker")
+    p.add_argument("--tracking-uri", help="use this MLflow instead of a local server")
     p.set_defaults(fn=cmd_demo)
 
     args = parser.parse_args(argv)

@@ -1,56 +1,185 @@
-"""``tide demo``: the main job.
+"""``tide demo``: the main job — the drafter adapts to a workload shift, on real parts.
 
-Stage now: start the engine service (real target, static drafter, speculative decoding on) as a
-separate process, wait until healthy, send a sample chat request over HTTP, print the answer
-with the drafter's acceptance, and stop the service.
+Steps:
+1. ``tide up`` with demo settings: auto-promotion on, a retrain threshold sized to the run;
+2. phase "before": replay the first workload (ShareGPT English chat) through the HTTP API;
+3. shift: replay the second workload (code: HumanEval + stdlib prompts); capture → Kafka →
+   Parquet feeds the scheduler, which launches a retrain; the retrain registers a challenger,
+   auto-promotion makes it champion, the engine swaps it in; traffic keeps flowing until the
+   adapted drafter has served ``after_requests`` requests (or the time budget runs out);
+4. stop everything, then a controlled comparison in one process with nothing else running:
+   the same held-out prompts of each workload, target-only vs static drafter vs adapted drafter;
+5. write the report folder: acceptance-over-time PNG (shift and swaps marked) + summary JSON.
 """
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from tide.process import free_port, python_service
-
-SAMPLE = "Explain in three sentences why the sky is blue."
-
-
-def acceptance_from_metrics(text: str) -> dict[str, float]:
-    """tokens per target forward by drafter version, from the engine's /metrics page."""
-    sums, counts = {}, {}
-    for line in text.splitlines():
-        if line.startswith("tide_engine_accept_length_tokens_sum{"):
-            version = line.split('drafter_version="')[1].split('"')[0]
-            sums[version] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("tide_engine_accept_length_tokens_count{"):
-            version = line.split('drafter_version="')[1].split('"')[0]
-            counts[version] = float(line.rsplit(" ", 1)[1])
-    return {v: sums[v] / counts[v] for v in sums if counts.get(v)}
+from tide import workloads
+from tide.report import compare, plot_acceptance, write_summary
+from tide.stack import Stack, StackOptions
+from tide.traffic import AcceptanceSampler, TrafficResult, replay
 
 
-def run_sample(home: Path, prompt: str = SAMPLE, max_tokens: int = 96) -> dict:
-    port = free_port()
-    engine = python_service("engine", "services/engine/main.py", ["--port", str(port)], home / "logs",
-                            env={"TIDE_HOME": str(home)}, health_url=f"http://127.0.0.1:{port}/health")
-    print(f"starting engine on http://127.0.0.1:{port} (log: {engine.log_path}) ...", flush=True)
-    engine.start()
+@dataclass(frozen=True)
+class DemoSettings:
+    before_requests: int = 48
+    shift_max_requests: int = 600
+    after_requests: int = 48
+    concurrency: int = 6
+    max_tokens: int = 64
+    retrain_min_tokens: int = 24_000
+    retrain_max_train_tokens: int = 40_000
+    compare_prompts: int = 10
+    compare_max_tokens: int = 64
+    budget_s: float = 22 * 60
+
+    @classmethod
+    def quick(cls) -> "DemoSettings":
+        return cls(before_requests=12, shift_max_requests=240, after_requests=12, concurrency=6,
+                   max_tokens=48, retrain_min_tokens=6_000, retrain_max_train_tokens=8_000,
+                   compare_prompts=4, compare_max_tokens=40, budget_s=7 * 60)
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _load(name_or_path: str, split: str, n: int, seed: int):
+    return workloads.load_workload(name_or_path, split, n, seed=seed)
+
+
+def _champion(engine_url: str) -> str:
+    return httpx.get(f"{engine_url}/health", timeout=5).json().get("drafter_version", "?")
+
+
+def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str = "chat", after: str = "code",
+             bootstrap_servers: str = "", tracking_uri: str = "") -> dict:
+    t_start = time.monotonic()
+    overrides = {
+        "schedule": {"interval_s": 5, "min_new_samples": settings.retrain_min_tokens, "sample_unit": "tokens",
+                     "cooldown_s": 60, "backoff_base_s": 10},
+        "train": {"max_train_tokens": settings.retrain_max_train_tokens},
+        "ops": {"auto_promote": True, "poll_interval_s": 3, "guard_window_forwards": 100},
+    }
+    stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides))
+    _say("starting broker, MLflow, engine, ingest, scheduler ...")
+    stack.start()
+    _say("TIDE is up:\n" + stack.describe())
+    url = stack.endpoints["engine"]
+    static_version = _champion(url)
+    sampler = AcceptanceSampler(f"{url}/metrics", interval_s=5).start()
+    summary: dict = {"settings": settings.__dict__, "endpoints": stack.endpoints, "static_version": static_version}
+    swaps: list[tuple[float, str]] = []
     try:
-        engine.wait_healthy(timeout_s=600)
-        t0 = time.monotonic()
-        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
-            "model": "tide", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0})
-        resp.raise_for_status()
-        body = resp.json()
-        wall = time.monotonic() - t0
-        acceptance = acceptance_from_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
-        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+        before_prompts = _load(before, "heldout", settings.before_requests + settings.compare_prompts, 11)
+        after_prompts = _load(after, "train", settings.shift_max_requests, 12)
+        _say(f"phase 1: {settings.before_requests} '{before}' requests (drafter {static_version})")
+        r1 = replay(url, before_prompts[settings.compare_prompts:], settings.concurrency, settings.max_tokens)
+        sampler.sample()
+        sampler.mark(f"shift to {after}")
+        t_shift = time.monotonic()
+        _say(f"phase 2: shift to '{after}'; waiting for retrain + swap")
+        state = {"served_after": 0, "version": static_version}
+
+        def watch(res: TrafficResult) -> None:
+            version = _champion(url)
+            if version != state["version"]:
+                swaps.append((time.monotonic() - sampler.t0, version))
+                sampler.mark(f"swap to v{version}")
+                _say(f"engine now serves drafter {version}")
+                state["version"] = version
+            if version != static_version:
+                state["served_after"] += 1
+            if res.sent % 10 == 0:
+                _say(f"  {res.sent} requests, {res.failed} failed, drafter {version}")
+
+        def done() -> bool:
+            return (state["served_after"] >= settings.after_requests
+                    or time.monotonic() - t_start > settings.budget_s)
+
+        r2 = replay(url, after_prompts, settings.concurrency, settings.max_tokens, until=done, on_done=watch)
+        summary["traffic"] = {"before": _traffic(r1), "after": _traffic(r2)}
+        summary["retrain_s_after_shift"] = swaps[0][0] - (t_shift - sampler.t0) if swaps else None
     finally:
-        engine.stop()
-    answer = body["choices"][0]["message"]["content"]
-    print(f"\nuser: {prompt}\nassistant: {answer}\n")
-    for version, tpf in acceptance.items():
-        print(f"drafter {version}: {tpf:.2f} tokens per target forward "
-              f"({body['usage']['completion_tokens']} tokens in {wall:.1f}s)")
-    return {"answer": answer, "acceptance": acceptance, "health": health, "usage": body["usage"]}
+        sampler.stop()
+        adapted = _champion(url) if stack.services else static_version
+        adapted_folder = _download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
+        stack.stop()
+    summary["swaps"] = swaps
+    summary["adapted_version"] = adapted
+    summary["live"] = _live(sampler, static_version, adapted)
+    plot_acceptance(sampler, report_dir / "acceptance.png", f"TIDE demo: '{before}' then '{after}'")
+    _say("controlled comparison (nothing else running) ...")
+    summary["comparison"] = _comparison(home, adapted_folder, before, after, settings)
+    summary["wall_s"] = round(time.monotonic() - t_start, 1)
+    write_summary(report_dir / "summary.json", summary)
+    _say(f"report: {report_dir}/summary.json, {report_dir}/acceptance.png")
+    return summary
+
+
+def _traffic(r: TrafficResult) -> dict:
+    return {"sent": r.sent, "ok": r.ok, "failed": r.failed, "completion_tokens": r.completion_tokens,
+            "errors": r.errors[:5]}
+
+
+def _live(sampler: AcceptanceSampler, static_version: str, adapted: str) -> dict:
+    shift_t = next((t for t, label in sampler.marks if label.startswith("shift")), None)
+    end = sampler.points[-1].t_s if sampler.points else 0.0
+    return {
+        "before_shift_static": sampler.mean_between(0, shift_t or 0, static_version),
+        "after_shift_static": sampler.mean_between(shift_t or 0, end, static_version),
+        "after_shift_adapted": sampler.mean_between(shift_t or 0, end, adapted) if adapted != static_version else None,
+        "points": [p.__dict__ for p in sampler.points],
+    }
+
+
+def _download(home: Path, tracking_uri: str, version: str) -> Path | None:
+    """The adapted drafter's folder, fetched while the MLflow server is still up."""
+    from tide.config import load_config
+    from tide.registry import Registry
+
+    if not version.isdigit():
+        return None
+    cfg = load_config(overrides={"home": str(home), "registry": {"tracking_uri": tracking_uri}})
+    try:
+        return Registry.from_config(cfg).download(int(version))
+    except Exception as exc:  # reported, the comparison then covers static vs target only
+        _say(f"could not download drafter {version}: {exc}")
+        return None
+
+
+def _comparison(home: Path, adapted_folder: Path | None, before: str, after: str, s: DemoSettings) -> dict:
+    from tide.config import load_config
+    from tide.drafter.artifact import TargetSpec, load_drafter
+    from tide.drafter.static import static_drafter_path
+    from tide.engine.reference import load_target
+    from tide.train.offline import render_prompt
+
+    cfg = load_config(overrides={"home": str(home)})
+    target, tok, _ = load_target(cfg)
+    spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
+    drafters = {"static": load_drafter(static_drafter_path(cfg), spec)}
+    if adapted_folder is not None:
+        drafters["adapted"] = load_drafter(adapted_folder, spec)
+    prompts = {
+        before: [render_prompt(tok, p.chat_messages(), 256) for p in _load(before, "heldout", s.compare_prompts, 11)],
+        after: [render_prompt(tok, p.chat_messages(), 256) for p in _load(after, "heldout", s.compare_prompts, 13)],
+    }
+    res = compare(target, drafters, prompts, s.compare_max_tokens, cfg.spec.draft_len, progress=_say)
+    out = {w: {m: r.as_dict() for m, r in modes.items()} for w, modes in res.items()}
+    if "adapted" in drafters:
+        a, st = res[after]["adapted"], res[after]["static"]
+        out["ratios"] = {
+            f"{after}_accept_adapted_over_static": a.tokens_per_forward / st.tokens_per_forward,
+            f"{after}_tok_s_adapted_over_static": a.tokens_per_s / st.tokens_per_s,
+            f"{before}_accept_adapted_over_static":
+                res[before]["adapted"].tokens_per_forward / res[before]["static"].tokens_per_forward,
+        }
+    _say(json.dumps(out.get("ratios", {}), indent=2))
+    return out

@@ -1,0 +1,102 @@
+"""Controlled drafter comparison and the demo's report (JSON summary + PNG plot).
+
+``compare`` runs in one process with nothing else running: for every prompt of every workload,
+each mode (target-only, and each named drafter) decodes the same number of greedy tokens; the
+order of modes rotates per prompt so drifting machine load hits all modes alike. Prefill time is
+measured once per prompt and subtracted, so tokens/s is decode speed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tide.models.llama import LlamaTarget
+from tide.spec.generate import generate
+
+
+@dataclass
+class ModeResult:
+    tokens: int = 0
+    decode_s: float = 0.0
+    forwards: int = 0
+    committed: int = 0
+    identical_to_target: int = 0
+    prompts: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.committed / self.forwards if self.forwards else 1.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 3),
+                "tokens_per_forward": round(self.tokens_per_forward, 4)}
+
+
+def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, list[list[int]]],
+            max_new_tokens: int, gamma: int, progress=print) -> dict[str, dict[str, ModeResult]]:
+    """{workload: {mode: ModeResult}}; mode "target" is target-only decoding."""
+    modes = [("target", None), *drafters.items()]
+    out: dict[str, dict[str, ModeResult]] = {}
+    for workload, prompts in prompts_by_workload.items():
+        res = {name: ModeResult() for name, _ in modes}
+        for i, ids in enumerate(prompts):
+            t0 = time.perf_counter()
+            generate(target, None, ids, 1)
+            prefill_s = time.perf_counter() - t0
+            rotated = modes[i % len(modes):] + modes[: i % len(modes)]
+            outputs = {}
+            for name, drafter in rotated:
+                t0 = time.perf_counter()
+                tokens, stats = generate(target, drafter, ids, max_new_tokens, gamma=gamma)
+                elapsed = time.perf_counter() - t0
+                r = res[name]
+                r.prompts += 1
+                r.tokens += len(tokens) - 1
+                r.decode_s += max(1e-6, elapsed - prefill_s)
+                r.forwards += stats.target_forwards
+                r.committed += sum(stats.accept_lengths) if drafter is not None else stats.target_forwards
+                outputs[name] = tokens
+            for name, _ in modes:
+                res[name].identical_to_target += outputs[name] == outputs["target"]
+            progress(f"  compare {workload}: {i + 1}/{len(prompts)} prompts")
+        out[workload] = res
+    return out
+
+
+def plot_acceptance(sampler, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    versions = sorted({p.version for p in sampler.points}, key=lambda v: (len(v), v))
+    for v in versions:
+        pts = [p for p in sampler.points if p.version == v]
+        ax.plot([p.t_s / 60 for p in pts], [p.tokens_per_forward for p in pts], marker="o", ms=3,
+                label=f"drafter {v}")
+    for t_s, label in sampler.marks:
+        ax.axvline(t_s / 60, color="grey", ls="--", lw=1)
+        ax.text(t_s / 60, ax.get_ylim()[1], f" {label}", rotation=90, va="top", fontsize=8)
+    ax.set_xlabel("minutes since traffic start")
+    ax.set_ylabel("tokens per target forward (live)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_summary(path: Path, summary: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    return path

@@ -1,0 +1,137 @@
+"""``tide up``: the whole loop on one machine, each part a separate process with its own log.
+
+Start order (each waits healthy before the next; stop is the reverse):
+1. broker: tansu (Kafka protocol) on loopback, unless ``--bootstrap-servers`` points elsewhere;
+2. MLflow tracking server (SQLite store + served artifacts), unless ``--tracking-uri`` is given;
+3. engine: target + drafter following the registry's ``champion`` (static drafter bootstrapped),
+   capture on, OpenAI-compatible HTTP, ``/metrics``;
+4. ingest: Kafka → Parquet dataset;
+5. scheduler: launches retrains when enough new samples arrived.
+The resolved configuration is written to ``<home>/run/tide.yaml`` and passed to every service,
+so each part can be pointed at an external service instead by editing one file.
+"""
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tide.process import REPO_ROOT, ServiceProcess, free_port, python_service
+
+
+def _tcp_ready(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class StackOptions:
+    home: Path
+    bootstrap_servers: str = ""  # empty = start a local broker
+    tracking_uri: str = ""  # empty = start a local MLflow server
+    data_dir: str = ""
+    durable_broker: bool = False
+    overrides: dict = field(default_factory=dict)  # extra config sections (demo settings)
+
+
+@dataclass
+class Stack:
+    opts: StackOptions
+    services: list[ServiceProcess] = field(default_factory=list)
+    endpoints: dict[str, str] = field(default_factory=dict)
+    config_path: Path | None = None
+
+    def start(self) -> "Stack":
+        home = self.opts.home
+        logs = home / "logs"
+        try:
+            bootstrap = self.opts.bootstrap_servers or self._start_broker(logs)
+            tracking = self.opts.tracking_uri or self._start_mlflow(logs)
+            ports = {"engine": free_port(), "ingest": free_port(), "scheduler": free_port()}
+            token = secrets.token_hex(16)
+            cfg = self._config(bootstrap, tracking, ports, token)
+            self.config_path = home / "run" / "tide.yaml"
+            self.config_path.parent.mkdir(parents=True, exist_ok=True)
+            self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=True))
+            self.config_path.chmod(0o600)  # holds the control token
+            env = {"TIDE_HOME": str(home)}
+            conf = ["--config", str(self.config_path)]
+            self._run(python_service("engine", "services/engine/main.py", conf, logs, env,
+                                     f"http://127.0.0.1:{ports['engine']}/health"), timeout_s=900)
+            self._run(python_service("ingest", "services/ingest/main.py", conf, logs, env,
+                                     f"http://127.0.0.1:{ports['ingest']}/metrics"))
+            self._run(python_service("scheduler", "services/scheduler/main.py", conf, logs, env,
+                                     f"http://127.0.0.1:{ports['scheduler']}/health"))
+            self.endpoints.update({
+                "engine": f"http://127.0.0.1:{ports['engine']}",
+                "engine metrics": f"http://127.0.0.1:{ports['engine']}/metrics",
+                "ingest metrics": f"http://127.0.0.1:{ports['ingest']}/metrics",
+                "scheduler metrics": f"http://127.0.0.1:{ports['scheduler']}/metrics",
+                "kafka": bootstrap, "mlflow": tracking,
+                "data": str(Path(cfg["ingest"]["data_dir"])), "logs": str(logs),
+                "config": str(self.config_path)})
+            self.control_token = token
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _run(self, svc: ServiceProcess, timeout_s: float = 300.0) -> None:
+        self.services.append(svc.start())
+        svc.wait_healthy(timeout_s)
+
+    def _start_broker(self, logs: Path) -> str:
+        port = free_port()
+        mode = "durable" if self.opts.durable_broker else "memory"
+        svc = ServiceProcess("broker", ["bash", str(REPO_ROOT / "scripts/broker.sh"), "run", mode, "--port",
+                                        str(port), "--state-dir", str(self.opts.home / "broker")],
+                             logs / "broker.log")
+        self.services.append(svc.start())
+        deadline = time.monotonic() + 120
+        while not _tcp_ready(port):
+            if svc.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"broker did not start; see {svc.log_path}:\n{svc.tail()}")
+            time.sleep(0.2)
+        return f"127.0.0.1:{port}"
+
+    def _start_mlflow(self, logs: Path) -> str:
+        port = free_port()
+        root = self.opts.home / "mlflow"
+        root.mkdir(parents=True, exist_ok=True)
+        import sys
+        svc = ServiceProcess("mlflow", [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+                                        "--port", str(port), "--workers", "1",
+                                        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                                        "--artifacts-destination", str(root / "artifacts")],
+                             logs / "mlflow.log", health_url=f"http://127.0.0.1:{port}/health")
+        self._run(svc, timeout_s=180)
+        return f"http://127.0.0.1:{port}"
+
+    def _config(self, bootstrap: str, tracking: str, ports: dict[str, int], token: str) -> dict:
+        home = self.opts.home
+        data_dir = self.opts.data_dir or str(home / "dataset")
+        cfg = {
+            "home": str(home),
+            "server": {"port": ports["engine"], "control_token": token},
+            "capture": {"enabled": True, "bootstrap_servers": bootstrap},
+            "ingest": {"bootstrap_servers": bootstrap, "data_dir": data_dir, "metrics_port": ports["ingest"]},
+            "schedule": {"metrics_port": ports["scheduler"]},
+            "registry": {"tracking_uri": tracking},
+        }
+        for section, values in self.opts.overrides.items():
+            cfg.setdefault(section, {}).update(values)
+        return cfg
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            svc.stop()
+        self.services.clear()
+
+    def describe(self) -> str:
+        width = max(len(k) for k in self.endpoints)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in self.endpoints.items())

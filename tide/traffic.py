@@ -1,0 +1,133 @@
+"""Traffic generator and live acceptance sampler for the demo (real HTTP against the engine).
+
+``replay`` sends workload prompts to ``/v1/chat/completions`` at a fixed concurrency until the
+prompts run out or ``until()`` says stop; every request is checked (status, finish reason) and
+counted. ``AcceptanceSampler`` scrapes ``/metrics`` every few seconds and turns the counter
+deltas into a time series of tokens per target forward by drafter version.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import httpx
+
+from tide.workloads import Prompt
+
+
+@dataclass
+class TrafficResult:
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    completion_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_tokens: int,
+           until: Callable[[], bool] = lambda: False, result: TrafficResult | None = None,
+           on_done: Callable[[TrafficResult], None] | None = None, timeout_s: float = 600.0) -> TrafficResult:
+    result = result or TrafficResult()
+    client = httpx.Client(base_url=base_url, timeout=timeout_s)
+
+    def one(p: Prompt) -> None:
+        if until():
+            return
+        body = {"model": "tide", "messages": p.chat_messages(), "max_tokens": max_tokens,
+                "temperature": 0, "workload": p.workload}
+        try:
+            resp = client.post("/v1/chat/completions", json=body)
+            ok = resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+            tokens = resp.json()["usage"]["completion_tokens"] if ok else 0
+            err = None if ok else f"{resp.status_code}: {resp.text[:200]}"
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            ok, tokens, err = False, 0, repr(exc)
+        with result.lock:
+            result.sent += 1
+            result.ok += ok
+            result.failed += not ok
+            result.completion_tokens += tokens
+            if err:
+                result.errors.append(err)
+        if on_done:
+            on_done(result)
+
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            for _ in pool.map(one, prompts):
+                pass
+    finally:
+        client.close()
+    return result
+
+
+def parse_acceptance(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """{drafter_version: (sum of committed tokens, target forwards)} from the engine's /metrics."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        for name, into in (("tide_engine_accept_length_tokens_sum{", sums),
+                           ("tide_engine_accept_length_tokens_count{", counts)):
+            if line.startswith(name):
+                version = line.split('drafter_version="')[1].split('"')[0]
+                into[version] = float(line.rsplit(" ", 1)[1])
+    return {v: (sums.get(v, 0.0), counts.get(v, 0.0)) for v in set(sums) | set(counts)}
+
+
+@dataclass
+class AcceptancePoint:
+    t_s: float
+    version: str
+    tokens_per_forward: float
+    forwards: float
+
+
+class AcceptanceSampler:
+    """Background scraper: one point per interval per version that ran target forwards in it."""
+
+    def __init__(self, metrics_url: str, interval_s: float = 5.0):
+        self.metrics_url = metrics_url
+        self.interval_s = interval_s
+        self.points: list[AcceptancePoint] = []
+        self.marks: list[tuple[float, str]] = []  # (t_s, label): shift, swaps
+        self.t0 = time.monotonic()
+        self._last: dict[str, tuple[float, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "AcceptanceSampler":
+        self._thread.start()
+        return self
+
+    def mark(self, label: str) -> None:
+        self.marks.append((time.monotonic() - self.t0, label))
+
+    def sample(self) -> None:
+        try:
+            now = parse_acceptance(httpx.get(self.metrics_url, timeout=5).text)
+        except httpx.HTTPError:
+            return
+        t = time.monotonic() - self.t0
+        for version, (s, c) in now.items():
+            ls, lc = self._last.get(version, (0.0, 0.0))
+            if c > lc:
+                self.points.append(AcceptancePoint(t, version, (s - ls) / (c - lc), c - lc))
+        self._last = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.sample()
+
+    def mean_between(self, start_s: float, end_s: float, version: str | None = None) -> float | None:
+        pts = [p for p in self.points if start_s <= p.t_s <= end_s and (version is None or p.version == version)]
+        forwards = sum(p.forwards for p in pts)
+        return sum(p.tokens_per_forward * p.forwards for p in pts) / forwards if forwards else None
