@@ -210,7 +210,9 @@ class OpsConfig:
     refeed_positions: int = 32  # on a swap, the new drafter re-reads this many recent positions
     guard_enabled: bool = True
     guard_interval_s: float = 5.0
-    guard_floor: float = 1.2  # tokens per target forward below which the serving version collapsed
+    # tokens per target forward below which the serving version collapsed; a broken drafter sits
+    # at ~1.00, while a weak but working one (the static drafter on shifted traffic) is ~1.1-1.3
+    guard_floor: float = 1.05
     guard_min_ratio: float = 0.6  # ... or below this fraction of the previous version's live mean
     guard_window_forwards: int = 200  # target forwards (request rows) per judged window
     auto_promote: bool = False  # the retrain job promotes its challenger when the policy agrees

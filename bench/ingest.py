@@ -1,0 +1,229 @@
+"""Ingest rate vs the broker's raw consume rate for the same messages, in one run.
+
+Steps:
+1. start an in-memory tansu on a free port (or use --bootstrap-servers);
+2. produce a backlog of --backlog-mb of capture records (SmolLM2 shape: H=576, bf16, requests of
+   100-700 positions, chunked under 900 kB as capture does) into a fresh 4-partition topic;
+3. raw consume: a worker process reads every message with plain kafka-python (assign, no group,
+   nothing done with the values);
+4. ingest: a worker process runs the real ``Ingestor`` (group join, decode, Parquet, fsync,
+   rename, index, commit) over the same messages until everything is committed;
+5. both workers time from their first non-empty poll to their last message (ingest: to its last
+   commit) and report peak RSS (VmHWM); steps 3-4 alternate for --rounds rounds so load from
+   other processes hits both alike; the median ratio is the result. Table, optionally --json.
+
+    python bench/ingest.py [--backlog-mb 200] [--json reports/bench/ingest.json]
+    python bench/ingest.py --backlog-mb 1024      # the 1 GB backlog check (< 1 GiB RSS)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+HIDDEN = 576
+MAX_MESSAGE_BYTES = 900_000
+
+
+def _peak_rss_mib() -> float:
+    """VmHWM of this process (getrusage's ru_maxrss survives exec: it would report the
+    parent's peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def produce_backlog(bootstrap: str, topic: str, backlog_bytes: int) -> tuple[int, int]:
+    """Produce chunked records until ``backlog_bytes`` of values are acked; (messages, bytes)."""
+    import numpy as np
+    from kafka import KafkaProducer
+
+    from tide.records import Record, encode, split
+
+    rng = np.random.default_rng(0)
+    pool = rng.bytes(64 * 1024 * 1024)  # hidden bytes are windows of one random pool
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type="zstd",
+                             linger_ms=5, batch_size=1 << 20, max_request_size=2 << 20)
+    messages = nbytes = i = 0
+    per_token = 4 * HIDDEN * 2
+    while nbytes < backlog_bytes:
+        t = int(rng.integers(100, 700))
+        start = int(rng.integers(0, len(pool) - t * per_token))
+        rec = Record(
+            request_id=f"bench-{i}", target_model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            drafter_version="bench", aux_layer_ids=(2, 15, 27), workload=None,
+            started_at_s=time.time(), finished_at_s=time.time(), hidden_size=HIDDEN,
+            hidden_dtype="bfloat16", token_ids=rng.integers(0, 49152, t).astype(np.int32),
+            loss_mask=(np.arange(t) > t // 3).astype(np.uint8),
+            aux_hidden=pool[start:start + t * 3 * HIDDEN * 2],
+            final_hidden=pool[start:start + t * HIDDEN * 2])
+        for chunk in split(rec, MAX_MESSAGE_BYTES):
+            value = encode(chunk)
+            producer.send(topic, key=rec.request_id.encode(), value=value)
+            messages += 1
+            nbytes += len(value)
+        i += 1
+    producer.flush(120)
+    producer.close()
+    return messages, nbytes
+
+
+def worker_consume(args: argparse.Namespace) -> dict:
+    from kafka import KafkaConsumer, TopicPartition
+
+    from tide.config import IngestConfig
+
+    c = IngestConfig()
+    consumer = KafkaConsumer(bootstrap_servers=args.bootstrap_servers, enable_auto_commit=False,
+                             max_poll_records=c.max_poll_records, fetch_max_bytes=c.fetch_max_bytes,
+                             max_partition_fetch_bytes=c.max_partition_fetch_bytes)
+    parts = consumer.partitions_for_topic(args.topic)
+    consumer.assign([TopicPartition(args.topic, p) for p in parts])
+    consumer.seek_to_beginning()
+    idle_rss = _peak_rss_mib()
+    count = nbytes = 0
+    first = None
+    cpu = time.process_time()
+    while count < args.messages:
+        t = time.perf_counter()
+        batch = consumer.poll(timeout_ms=500)
+        for records in batch.values():
+            if first is None:
+                first = t
+            for message in records:
+                count += 1
+                nbytes += len(message.value)
+    elapsed = time.perf_counter() - first
+    cpu = time.process_time() - cpu
+    consumer.close()
+    return {"messages": count, "bytes": nbytes, "seconds": elapsed, "cpu_seconds": cpu,
+            "mb_per_s": nbytes / elapsed / 1e6, "peak_rss_mib": _peak_rss_mib(),
+            "rss_after_imports_mib": idle_rss}
+
+
+def worker_ingest(args: argparse.Namespace) -> dict:
+    from tide import metrics
+    from tide.config import IngestConfig
+    from tide.dataset.ingest import Ingestor
+
+    config = IngestConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic,
+                          dead_letter_topic=args.topic + ".dead-letter",
+                          group_id=f"bench-{uuid.uuid4().hex[:8]}", metrics_port=0)
+    sys.setswitchinterval(config.switch_interval_s)  # as services/ingest/main.py does
+    ingestor = Ingestor(config, args.data_dir)
+    ingestor.open()
+    idle_rss = _peak_rss_mib()
+    first = None
+    count = 0
+    cpu = time.process_time()
+    while count < args.messages:
+        t = time.perf_counter()
+        n = ingestor.poll_once()
+        if n and first is None:
+            first = t
+        count += n
+    ingestor.close(flush=True)  # seals, fsyncs and commits what is still open
+    elapsed = time.perf_counter() - first
+    cpu = time.process_time() - cpu
+    nbytes = args.bytes
+    return {"messages": count, "bytes": nbytes, "seconds": elapsed, "cpu_seconds": cpu,
+            "mb_per_s": nbytes / elapsed / 1e6, "peak_rss_mib": _peak_rss_mib(),
+            "rss_after_imports_mib": idle_rss,
+            "files": int(metrics.INGEST_FILES._value.get()),
+            "rows": int(metrics.INGEST_ROWS._value.get())}
+
+
+def _run_worker(kind: str, bootstrap: str, topic: str, messages: int, nbytes: int,
+                data_dir: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--bootstrap-servers", bootstrap,
+           "--topic", topic, "--messages", str(messages), "--bytes", str(nbytes),
+           "--data-dir", data_dir]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backlog-mb", type=float, default=200.0)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating raw/ingest rounds")
+    parser.add_argument("--bootstrap-servers", default="")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--worker", choices=["consume", "ingest"], help=argparse.SUPPRESS)
+    parser.add_argument("--topic", help=argparse.SUPPRESS)
+    parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        result = worker_consume(args) if args.worker == "consume" else worker_ingest(args)
+        print(json.dumps(result))
+        return 0
+
+    import importlib.util
+
+    from bench.report import print_table, write_json
+    from tide.config import IngestConfig
+    from tide.dataset.ingest import ensure_topics
+
+    spec = importlib.util.spec_from_file_location("tide_scripts_broker", ROOT / "scripts" / "broker.py")
+    broker = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = broker
+    spec.loader.exec_module(broker)
+
+    with tempfile.TemporaryDirectory(prefix="tide-bench-ingest-") as tmp:
+        stack = None
+        bootstrap = args.bootstrap_servers
+        if not bootstrap:
+            stack = broker.BrokerStack("memory", broker.free_port(), Path(tmp) / "broker").start()
+            bootstrap = stack.bootstrap_servers
+        try:
+            topic = f"tide.bench.{uuid.uuid4().hex[:8]}"
+            ensure_topics(IngestConfig(bootstrap_servers=bootstrap, topic=topic,
+                                       dead_letter_topic=topic + ".dead-letter"))
+            t = time.perf_counter()
+            messages, nbytes = produce_backlog(bootstrap, topic, int(args.backlog_mb * 1e6))
+            produce_s = time.perf_counter() - t
+            rounds = []
+            for r in range(args.rounds):  # alternate, so load from elsewhere hits both alike
+                raw = _run_worker("consume", bootstrap, topic, messages, nbytes, tmp)
+                ingest = _run_worker("ingest", bootstrap, topic, messages, nbytes,
+                                     str(Path(tmp) / f"data-{r}"))
+                rounds.append({"raw_consume": raw, "ingest": ingest,
+                               "ratio": ingest["mb_per_s"] / raw["mb_per_s"]})
+        finally:
+            if stack is not None:
+                stack.stop()
+    rows = [("", "MB/s", "seconds", "CPU s", "peak RSS MiB", "RSS after start MiB")]
+    for r, result in enumerate(rounds):
+        for name, key in (("raw consume (kafka-python)", "raw_consume"),
+                          ("ingest (Parquet+fsync+commit)", "ingest")):
+            x = result[key]
+            rows.append((f"round {r + 1}: {name}", f"{x['mb_per_s']:.1f}", f"{x['seconds']:.1f}",
+                         f"{x['cpu_seconds']:.1f}", f"{x['peak_rss_mib']:.0f}",
+                         f"{x['rss_after_imports_mib']:.0f}"))
+        rows.append((f"round {r + 1}: ratio ingest / raw", f"{result['ratio']:.2f}", "", "", ""))
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    peak = max(r["ingest"]["peak_rss_mib"] for r in rounds)
+    rows.append(("median ratio (floor 0.8)", f"{ratio:.2f}", "", "", ""))
+    rows.append(("ingest peak RSS (floor < 1024 MiB at 1 GB)", f"{peak:.0f}", "", "", ""))
+    print_table(f"Ingest vs raw consume: {messages} messages, {nbytes / 1e6:.0f} MB backlog "
+                f"(produced in {produce_s:.1f} s), {args.rounds} alternating rounds", rows)
+    write_json(args.json, {"backlog_bytes": nbytes, "messages": messages, "rounds": rounds,
+                           "median_ratio": ratio, "ingest_peak_rss_mib": peak,
+                           "floors": {"ratio": 0.8, "peak_rss_mib_at_1gb": 1024}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

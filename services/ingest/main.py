@@ -1,0 +1,82 @@
+"""Ingest service: consumes captured hidden states from Kafka into the Parquet dataset.
+
+Steps: load config (YAML via --config, then TIDE_* environment) → log it → serve /metrics →
+open the ingestor (clean crash leftovers, reconcile the index, create topics, join the group;
+retried while the broker is unreachable) → consume until SIGTERM/SIGINT → seal and commit open
+files, leave the group.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from tide.config import ConfigError, config_as_dict, load_config
+
+log = logging.getLogger("tide.services.ingest")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="TIDE ingest: Kafka → Parquet dataset")
+    parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
+    parser.add_argument("--bootstrap-servers", help="override ingest.bootstrap_servers")
+    parser.add_argument("--data-dir", help="override ingest.data_dir")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in (("bootstrap_servers", args.bootstrap_servers),
+                                   ("data_dir", args.data_dir)) if v is not None}
+    try:
+        cfg = load_config(args.config, overrides={"ingest": overrides} if overrides else None)
+    except (ConfigError, OSError) as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    log.info("resolved config: %s", json.dumps(config_as_dict(cfg), sort_keys=True, default=str))
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    from prometheus_client import start_http_server
+
+    from tide.dataset.ingest import Ingestor
+
+    icfg = cfg.ingest
+    sys.setswitchinterval(icfg.switch_interval_s)
+    if icfg.metrics_port:
+        start_http_server(icfg.metrics_port, addr=icfg.metrics_host)
+    data_dir = icfg.data_dir or str(cfg.home_path / "dataset")
+    ingestor = Ingestor(icfg, data_dir)
+    try:
+        while not stop.is_set():
+            try:
+                ingestor.open()
+                break
+            except Exception as exc:  # broker not up yet: keep trying until told to stop
+                log.warning("cannot start ingest (%s); retrying in 2 s", exc)
+                ingestor.close(flush=False)
+                stop.wait(2.0)
+        if not stop.is_set():
+            log.info("ingesting %s from %s into %s", icfg.topic, icfg.bootstrap_servers, data_dir)
+            ingestor.run(stop)
+    finally:
+        ingestor.close()
+        log.info("ingest closed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Ingest semantics against a real broker: bad messages go to the dead-letter topic with their
+reason and ingest goes on; replays of offsets already on disk (a crash between rename and commit)
+write nothing twice; a recreated topic reusing offsets is not mistaken for a replay."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pyarrow.parquet as pq
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from tide.config import IngestConfig
+from tide.dataset import DatasetIndex, DatasetReader
+from tide.dataset.ingest import ensure_topics
+from tide.dataset.schema import list_files
+from tide.records import Record, encode
+
+H = 64
+
+
+def _record(rid: str, t: int, seed: int) -> Record:
+    rng = np.random.default_rng(seed)
+    return Record(request_id=rid, target_model_id="org/target", drafter_version="v1",
+                  aux_layer_ids=(1, 2, 3), workload="chat", started_at_s=1.7e9, finished_at_s=1.7e9 + 1,
+                  hidden_size=H, hidden_dtype="bfloat16",
+                  token_ids=rng.integers(0, 1000, t).astype(np.int32),
+                  loss_mask=(np.arange(t) > 2).astype(np.uint8),
+                  aux_hidden=rng.bytes(t * 3 * H * 2), final_hidden=rng.bytes(t * H * 2))
+
+
+def _config(bs: str, topic: str, group: str) -> IngestConfig:
+    return IngestConfig(bootstrap_servers=bs, topic=topic, dead_letter_topic=topic + ".dead",
+                        group_id=group, topic_partitions=1, roll_interval_s=0.5, file_max_rows=8,
+                        max_record_bytes=200_000, metrics_port=0)
+
+
+def _read_all(bs: str, topic: str, expected: int, timeout_s: float = 20.0) -> list:
+    consumer = KafkaConsumer(bootstrap_servers=bs, enable_auto_commit=False)
+    consumer.assign([TopicPartition(topic, 0)])
+    consumer.seek_to_beginning()
+    out = []
+    for _ in range(int(timeout_s * 2)):
+        for records in consumer.poll(timeout_ms=500).values():
+            out.extend(records)
+        if len(out) >= expected:
+            break
+    consumer.close()
+    return out
+
+
+def test_malformed_unknown_version_and_oversized_are_dead_lettered(memory_broker, topic_name,
+                                                                   tmp_path, capture_kit, wait):
+    bs = memory_broker.bootstrap_servers
+    config = _config(bs, topic_name, topic_name + ".g1")
+    ensure_topics(config)
+    good = [encode(_record(f"good-{i}", 20 + i, i)) for i in range(4)]
+    future_version = bytearray(encode(_record("v99", 5, 9)))
+    future_version[4:6] = struct.pack("<H", 99)
+    oversized = encode(_record("huge", 600, 5))  # ~310 kB > max_record_bytes=200 kB
+    assert len(oversized) > config.max_record_bytes
+    bad = {1: (b"\x00garbage that is not a record", "malformed"),
+           3: (bytes(future_version), "unknown_version"),
+           4: (oversized, "oversized"),
+           6: (None, "malformed")}  # a tombstone
+    producer = KafkaProducer(bootstrap_servers=bs, acks="all", max_request_size=2_000_000)
+    values = [good[0], bad[1][0], good[1], bad[3][0], bad[4][0], good[2], bad[6][0], good[3]]
+    for v in values:
+        producer.send(topic_name, key=b"k", value=v)
+    producer.flush()
+    producer.close()
+
+    data_dir = tmp_path / "data"
+    with capture_kit.IngestThread(config, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 4, 30, what="good rows")
+    samples = {s.request_id for s in DatasetReader(data_dir).samples()}
+    assert samples == {"good-0", "good-1", "good-2", "good-3"}
+
+    dead = _read_all(bs, topic_name + ".dead", expected=len(bad))
+    assert len(dead) == len(bad)
+    by_offset = {}
+    for message in dead:
+        headers = {k: v.decode() for k, v in message.headers}
+        by_offset[int(headers["tide-source-offset"])] = (message, headers)
+    assert sorted(by_offset) == sorted(bad)
+    for offset, (value, reason) in bad.items():
+        message, headers = by_offset[offset]
+        assert headers["tide-dead-letter-reason"] == reason
+        assert headers["tide-source-topic"] == topic_name
+        assert message.value == (value or b"")  # the original bytes are kept for inspection
+        assert headers["tide-dead-letter-detail"]
+
+    # everything, dead letters included, was committed: a new run has nothing to do
+    consumer = KafkaConsumer(bootstrap_servers=bs, group_id=config.group_id)
+    assert consumer.committed(TopicPartition(topic_name, 0)) == len(values)
+    consumer.close()
+
+
+def test_replay_of_offsets_already_on_disk_writes_nothing_twice(memory_broker, topic_name,
+                                                                tmp_path, capture_kit, wait):
+    """A second consumer group over the same data dir is a crash right after rename, before any
+    commit: every offset is replayed, and only what is missing on disk may be written."""
+    bs = memory_broker.bootstrap_servers
+    first = _config(bs, topic_name, topic_name + ".a")
+    ensure_topics(first)
+    producer = KafkaProducer(bootstrap_servers=bs, acks="all")
+    for i in range(30):
+        producer.send(topic_name, key=b"k", value=encode(_record(f"r{i}", 10, i)))
+    producer.flush()
+    producer.close()
+    data_dir = tmp_path / "data"
+    with capture_kit.IngestThread(first, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 30, 30, what="first pass")
+    files = list_files(data_dir)
+    assert len(files) >= 3
+    # lose one file (as if its rename had never happened), keep the others
+    victim = files[len(files) // 2]
+    lost = set(pq.read_table(victim, columns=["kafka_offset"]).column("kafka_offset").to_pylist())
+    victim.unlink()
+
+    second = _config(bs, topic_name, topic_name + ".b")  # no committed offsets: replays all
+    with capture_kit.IngestThread(second, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 30, 30, what="replay")
+        consumer = KafkaConsumer(bootstrap_servers=bs, group_id=second.group_id)
+        wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == 30, 30,
+             what="replay committed")
+        consumer.close()
+    offsets = [o for p in list_files(data_dir)
+               for o in pq.read_table(p, columns=["kafka_offset"]).column("kafka_offset").to_pylist()]
+    assert sorted(offsets) == list(range(30))  # each exactly once
+    new_files = set(list_files(data_dir)) - (set(files) - {victim})
+    rewritten = {o for p in new_files
+                 for o in pq.read_table(p, columns=["kafka_offset"]).column("kafka_offset").to_pylist()}
+    assert rewritten == lost
+    assert DatasetIndex(data_dir).summary()["rows"] == 30
+
+
+def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_broker, topic_name,
+                                                                       tmp_path, capture_kit, wait):
+    """An in-memory broker restart (or a deleted topic) starts offsets at 0 again while the
+    dataset keeps its files: new messages at old offsets must be written, old files kept."""
+    from kafka import KafkaAdminClient
+
+    bs = memory_broker.bootstrap_servers
+    data_dir = tmp_path / "data"
+
+    def produce(prefix: str) -> None:
+        producer = KafkaProducer(bootstrap_servers=bs, acks="all")
+        for i in range(12):
+            producer.send(topic_name, key=b"k", value=encode(_record(f"{prefix}-{i}", 8, i)))
+        producer.flush()
+        producer.close()
+
+    first = _config(bs, topic_name, topic_name + ".one")
+    ensure_topics(first)
+    produce("old")
+    with capture_kit.IngestThread(first, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 12, 30, what="first topic")
+    old_files = set(list_files(data_dir))
+
+    admin = KafkaAdminClient(bootstrap_servers=bs)
+    admin.delete_topics([topic_name])
+    admin.close()
+    wait(lambda: _recreate(first), 30, what="topic recreated")
+    produce("new")
+    second = _config(bs, topic_name, topic_name + ".two")
+    with capture_kit.IngestThread(second, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 24, 30, what="second topic")
+    assert old_files <= set(list_files(data_dir))  # nothing overwritten
+    ids = sorted(s.request_id for s in DatasetReader(data_dir).samples())
+    assert ids == sorted([f"old-{i}" for i in range(12)] + [f"new-{i}" for i in range(12)])
+
+
+def _recreate(config: IngestConfig) -> bool:
+    try:
+        ensure_topics(config)
+    except Exception:  # deletion still in progress
+        return False
+    consumer = KafkaConsumer(bootstrap_servers=config.bootstrap_servers)
+    try:
+        tp = TopicPartition(config.topic, 0)
+        return consumer.partitions_for_topic(config.topic) is not None and \
+            consumer.end_offsets([tp])[tp] == 0
+    finally:
+        consumer.close()

@@ -1,0 +1,145 @@
+"""Streaming reader of the dataset for training: samples = whole requests, chunks joined.
+
+``DatasetReader.samples`` steps:
+1. choose files (given, or from the index by capture-time window and target model; without an
+   index, every data file on disk);
+2. stream each file in small record batches (never the whole dataset in memory);
+3. keep each chunk until its request's ``chunk_count`` chunks are all seen (chunks of a request
+   share a Kafka partition, so they are adjacent in practice); duplicates of a chunk (e.g. a
+   producer retry) are ignored;
+4. join the chunks in position order and convert stored bf16/fp8 hidden states to float32.
+Requests whose chunks never all arrive are skipped and counted in ``incomplete``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from tide.dataset.index import INDEX_NAME, DatasetIndex
+from tide.dataset.schema import list_files
+from tide.records import hidden_to_float32
+
+_COLUMNS = ["request_id", "target_model_id", "drafter_version", "aux_layer_ids", "workload",
+            "started_at_s", "finished_at_s", "position_start", "request_num_tokens",
+            "chunk_index", "chunk_count", "hidden_size", "hidden_dtype", "token_ids", "loss_mask",
+            "aux_hidden", "final_hidden"]
+
+
+@dataclass
+class Sample:
+    """One captured request, ready for an EAGLE3 trainer."""
+
+    request_id: str
+    token_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # int64 [T]: 0 prompt, 1 generated
+    aux_hidden: torch.Tensor  # float32 [T, 3H]
+    final_hidden: torch.Tensor  # float32 [T, H]
+    target_model_id: str
+    drafter_version: str
+    aux_layer_ids: tuple[int, ...]
+    workload: str | None
+    started_at_s: float
+    finished_at_s: float
+    position_start: int
+    hidden_dtype: str
+
+
+class DatasetReader:
+    def __init__(self, data_dir: str | Path, max_pending_requests: int = 4096) -> None:
+        self.data_dir = Path(data_dir)
+        self.max_pending_requests = max_pending_requests
+        self.incomplete = 0
+        self.duplicates = 0
+
+    def files(self, since_s: float | None = None, until_s: float | None = None,
+              target_model: str | None = None) -> list[Path]:
+        """Files overlapping [since_s, until_s) of capture time, oldest first."""
+        if not (self.data_dir / INDEX_NAME).exists():
+            return list_files(self.data_dir)
+        index = DatasetIndex(self.data_dir)
+        try:
+            chosen = index.files(since_s, until_s, target_model)
+        finally:
+            index.close()
+        return [self.data_dir / s.path for s in chosen if (self.data_dir / s.path).exists()]
+
+    def samples(self, files: Iterable[Path] | None = None, since_s: float | None = None,
+                until_s: float | None = None, target_model: str | None = None,
+                batch_rows: int = 8) -> Iterator[Sample]:
+        """Complete requests captured in [since_s, until_s), streamed file by file."""
+        paths = list(files) if files is not None else self.files(since_s, until_s, target_model)
+        pending: OrderedDict[str, dict[int, dict]] = OrderedDict()
+        completed: OrderedDict[str, None] = OrderedDict()  # late duplicates of yielded requests
+        for path in paths:
+            try:
+                parquet = pq.ParquetFile(path)
+            except FileNotFoundError:  # deleted by retention after it was listed
+                continue
+            for batch in parquet.iter_batches(batch_size=batch_rows, columns=_COLUMNS):
+                for row in batch.to_pylist():
+                    if not self._wanted(row, since_s, until_s, target_model):
+                        continue
+                    if row["request_id"] in completed:
+                        self.duplicates += 1
+                        continue
+                    chunks = pending.setdefault(row["request_id"], {})
+                    if row["chunk_index"] in chunks:
+                        self.duplicates += 1
+                        continue
+                    chunks[row["chunk_index"]] = row
+                    if len(chunks) == row["chunk_count"]:
+                        del pending[row["request_id"]]
+                        completed[row["request_id"]] = None
+                        if len(completed) > self.max_pending_requests:
+                            completed.popitem(last=False)
+                        sample = _join(chunks)
+                        if sample is None:
+                            self.incomplete += 1
+                        else:
+                            yield sample
+                    elif len(pending) > self.max_pending_requests:
+                        pending.popitem(last=False)
+                        self.incomplete += 1
+        self.incomplete += len(pending)
+
+    @staticmethod
+    def _wanted(row: dict, since_s: float | None, until_s: float | None,
+                target_model: str | None) -> bool:
+        t = row["finished_at_s"]
+        if since_s is not None and t < since_s:
+            return False
+        if until_s is not None and t >= until_s:
+            return False
+        return target_model is None or row["target_model_id"] == target_model
+
+
+def _join(chunks: dict[int, dict]) -> Sample | None:
+    """Chunks in index order -> one sample; None if positions are not contiguous."""
+    ordered = [chunks[i] for i in sorted(chunks)]
+    first = ordered[0]
+    position = first["position_start"]
+    for chunk in ordered:
+        if chunk["position_start"] != position:
+            return None
+        position += len(chunk["token_ids"])
+    h, dtype = first["hidden_size"], first["hidden_dtype"]
+    aux = np.concatenate([hidden_to_float32(c["aux_hidden"], dtype, 3 * h) for c in ordered])
+    final = np.concatenate([hidden_to_float32(c["final_hidden"], dtype, h) for c in ordered])
+    tokens = np.concatenate([np.asarray(c["token_ids"], dtype=np.int64) for c in ordered])
+    mask = np.concatenate([np.asarray(c["loss_mask"], dtype=np.int64) for c in ordered])
+    if aux.shape[0] != tokens.shape[0] or final.shape[0] != tokens.shape[0]:
+        return None
+    return Sample(
+        request_id=first["request_id"], token_ids=torch.from_numpy(tokens),
+        loss_mask=torch.from_numpy(mask), aux_hidden=torch.from_numpy(aux),
+        final_hidden=torch.from_numpy(final), target_model_id=first["target_model_id"],
+        drafter_version=first["drafter_version"], aux_layer_ids=tuple(first["aux_layer_ids"]),
+        workload=first["workload"], started_at_s=first["started_at_s"],
+        finished_at_s=first["finished_at_s"], position_start=first["position_start"],
+        hidden_dtype=dtype)
