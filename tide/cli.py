@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", help="use this MLflow instead of a local server")
     p.set_defaults(fn=cmd_demo)
 
+    from tide.ops.commands import add_drafters_parser
+    add_drafters_parser(sub, cmd_drafters)
+
     args = parser.parse_args(argv)
     return args.fn(args)
 

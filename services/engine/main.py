@@ -1,7 +1,9 @@
 """Engine service: the reference engine behind the OpenAI-compatible HTTP API.
 
 Steps: load config (YAML via --config, then TIDE_* environment) → log it → build the engine →
-build the app → serve until SIGTERM/SIGINT → drain HTTP, close the engine.
+start the drafter follower (registry champion, collapse guard; tide/ops/follower.py) unless
+``ops.follow_registry`` is off → build the app (with the control API) → serve until
+SIGTERM/SIGINT → drain HTTP, stop the follower, close the engine.
 """
 from __future__ import annotations
 
@@ -58,12 +60,20 @@ def main(argv: list[str] | None = None) -> int:
 
         tap = CaptureTap(cfg.capture)
         engine.set_capture_sink(tap)
+    follower = None
     try:
+        if cfg.ops.follow_registry and engine.drafter is not None:
+            from tide.ops.follower import DrafterFollower
+
+            follower = DrafterFollower.from_config(engine, cfg)
+            follower.start()  # never raises for registry trouble: the engine serves what it has
         log.info("engine ready: target=%s drafter=%s max_seq_len=%d",
                  engine.target_model_id, engine.drafter_version, engine.max_seq_len)
-        app = build_app(engine, cfg.server, cfg.engine)
+        app = build_app(engine, cfg.server, cfg.engine, ops=follower)
         serve(app, cfg.server.host, cfg.server.port, stop, grace_s=cfg.server.shutdown_grace_s)
     finally:
+        if follower is not None:
+            follower.stop()
         engine.close()
         if tap is not None:
             tap.close(cfg.capture.flush_timeout_s)

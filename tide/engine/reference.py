@@ -121,7 +121,8 @@ class ReferenceEngine:
 
     def health(self) -> dict:
         return {"drafter_version": self._version, "running": len(self._running),
-                "waiting": self._inbox.qsize(), "target_model_id": self.target_model_id}
+                "waiting": self._inbox.qsize(), "target_model_id": self.target_model_id,
+                "last_swap_pause_s": self.last_swap_pause_s}
 
     def close(self) -> None:
         self._stop.set()
@@ -178,6 +179,7 @@ class ReferenceEngine:
             r.row.feed_start = r.row.drafter_first_pos = max(0, r.row.t_len - self.refeed_positions)
             r.refeed = True
         self.last_swap_pause_s = time.perf_counter() - t0
+        metrics.ENGINE_SWAP_PAUSE_SECONDS.observe(self.last_swap_pause_s)
         metrics.ENGINE_DRAFTER_INFO.labels(old).set(0)
         metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
         log.info("drafter swapped %s -> %s in %.1f ms", old, self._version, self.last_swap_pause_s * 1e3)

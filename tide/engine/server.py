@@ -121,8 +121,12 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig) -> FastAPI:
-    """The FastAPI app over ``engine``; routes are listed in this module's docstring."""
+def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig, ops: Any = None) -> FastAPI:
+    """The FastAPI app over ``engine``; routes are listed in this module's docstring.
+
+    ``ops`` (a tide.ops.follower.DrafterFollower) adds the drafter control API under /control
+    (tide/ops/control_api.py, behind the control token) and its state to /health.
+    """
     app = FastAPI(title="TIDE engine", version="0.1.0")
     app.state.control_token = cfg.control_token
     app.state.engine = engine
@@ -322,6 +326,8 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig) -> Fa
             details = getattr(engine, "health", None)  # optional engine-specific facts
             if callable(details):
                 body["engine"] = details()
+            if ops is not None:
+                body["ops"] = ops.health()
         except Exception as exc:  # noqa: BLE001 - health must answer, not crash
             return JSONResponse({"status": "error", "error": f"{type(exc).__name__}: {exc}"}, 503)
         return JSONResponse(body, 503 if admission.draining else 200)
@@ -333,6 +339,10 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig) -> Fa
     @app.post("/control/ping", dependencies=[Depends(require_control_token)])
     async def control_ping() -> dict[str, Any]:
         return {"ok": True, "drafter_version": engine.drafter_version}
+
+    if ops is not None:
+        from tide.ops.control_api import control_router
+        app.include_router(control_router(ops), dependencies=[Depends(require_control_token)])
 
     return app
 

@@ -1,0 +1,421 @@
+"""Drafter operations end to end: a real MLflow SQLite registry, the tiny target's reference
+engine served over real HTTP with the drafter follower and control API, exactly as
+services/engine/main.py wires them (build_engine -> DrafterFollower.from_config -> build_app).
+
+The engine's first drafter is a tiny drafter trained here (about 10 s) on the target's own greedy
+output for PROMPTS, so on that traffic it gets drafts accepted (about 1.5 tokens per forward)
+while a drafter with randomized weights gets about 1.0: the collapse guard can tell them apart.
+"""
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+import uuid
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from safetensors.torch import load_file, save_file
+
+from tide.config import load_config
+from tide.drafter.artifact import load_drafter, save_drafter
+from tide.drafter.vocab import build_d2t
+from tide.engine.reference import build_engine
+from tide.engine.server import HttpServer, build_app
+from tide.models.llama import LlamaTarget
+from tide.models.tiny import tiny_llama_checkpoint
+from tide.ops.follower import DrafterFollower
+from tide.ops.inventory import live_acceptance_from_metrics
+from tide.ops.promotion import maybe_auto_promote
+from tide.registry import (ARTIFACT_PATH, CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, TAG_PARENT,
+                           TAG_PARENT_SIM_ACCEPT, TAG_SIM_ACCEPT, DrafterArtifact, Registry, folder_digest)
+from tide.spec.generate import generate
+from tide.train.offline import generate_samples, new_drafter
+from tide.train.trainer import train
+
+TOKEN = "ops-secret"
+PROMPTS = ["The quick brown fox", "def fibonacci(n: int)", "Please write a short story",
+           "How do I make a cup of tea?", "class Stack:", "Tell me a joke about computers.",
+           "import os\nfor name in", "What is the capital of France?"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("ops-tiny")
+    folder = tiny_llama_checkpoint(root / "target")
+    target = LlamaTarget.from_folder(folder, aux_layer_ids=(1, 2, 3), max_seq_len=256)
+    tok = AutoTokenizer.from_pretrained(folder)
+    samples = generate_samples(target, [tok.encode(p) for p in PROMPTS], MAX_TOKENS + 4, eos_ids=(),
+                               progress=False)
+    good = new_drafter(target, 256, torch.arange(512).flip(0), seed=1)
+    train(good, target.embed_weight, target.lm_head_weight, samples, epochs=60, lr=3e-2, batch_tokens=512,
+          max_len=256, ttt_length=1, step_weight=0.8, progress=False)
+    static = save_drafter(good.eval(), root / "static", metadata={"version": "static"})
+    other = tiny_llama_checkpoint(root / "target-h32", hidden=32)  # for a drafter of another hidden size
+    return SimpleNamespace(root=root, folder=folder, target=target, tok=tok, good=good, static=static,
+                           other_target=LlamaTarget.from_folder(other, aux_layer_ids=(1, 2, 3), max_seq_len=256))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ops-mlflow")
+    return f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts")
+
+
+def make_config(tiny, store, home: Path, model_name: str, **ops):
+    uri, artifacts = store
+    return load_config(env={}, overrides={
+        "home": str(home),
+        "model": {"target": str(tiny.folder), "model_id": "tiny", "aux_layer_ids": [1, 2, 3],
+                  "max_seq_len": 256, "torch_threads": 1},
+        "spec": {"draft_len": 3}, "drafter": {"path": str(tiny.static)},
+        "engine": {"max_batch_size": 8, "max_prompt_tokens": 128, "max_new_tokens_limit": 64},
+        "server": {"control_token": TOKEN},
+        "registry": {"tracking_uri": uri, "artifact_location": artifacts.as_uri(),
+                     "registered_model_name": model_name, "cache_dir": str(home / "cache")},
+        "ops": {"poll_interval_s": 3600.0, "guard_enabled": False, "registry_retry_s": 0.3, **ops}})
+
+
+class Stack:
+    """Engine + follower + HTTP server, wired like services/engine/main.py."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.engine = build_engine(cfg)
+        self.follower = DrafterFollower.from_config(self.engine, cfg)
+        self.follower.start()
+        self.server = HttpServer(build_app(self.engine, cfg.server, cfg.engine, ops=self.follower),
+                                 "127.0.0.1", 0, grace_s=1, log_level="warning")
+        self.url = f"http://127.0.0.1:{self.server.start()}"
+        self.auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def close(self):
+        self.server.stop(timeout_s=10)
+        self.follower.stop()
+        self.engine.close()
+
+    def control(self, method: str, path: str, body: dict | None = None, headers=None) -> httpx.Response:
+        return httpx.request(method, f"{self.url}/control/{path}", json=body, timeout=60,
+                             headers=self.auth if headers is None else headers)
+
+    def serving(self) -> str:
+        return httpx.get(f"{self.url}/health", timeout=10).json()["drafter_version"]
+
+    def complete(self, prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
+        resp = httpx.post(f"{self.url}/v1/completions", timeout=120,
+                          json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def traffic(self, rounds: int = 1) -> list[dict]:
+        out: list[dict] = []
+
+        def one(p):
+            out.append(self.complete(p))
+        for _ in range(rounds):
+            threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+            [t.start() for t in threads]
+            [t.join(120) for t in threads]
+        return out
+
+
+@pytest.fixture
+def make_stack(tiny, store, tmp_path):
+    stacks = []
+
+    def make(**ops):
+        name = f"ops-{uuid.uuid4().hex[:8]}"
+        cfg = make_config(tiny, store, tmp_path / "home", name, **ops)
+        stack = Stack(cfg)
+        stacks.append(stack)
+        stack.registry = Registry.from_config(cfg)  # the operator's own handle on the store
+        return stack
+    yield make
+    for s in stacks:
+        s.close()
+
+
+def register(registry: Registry, folder: Path, tags: dict | None = None) -> int:
+    run = registry.start_run("test", {"tide.kind": "retrain"})
+    info = registry.register(run.log_drafter(folder), {TAG_PARENT: "1", "tide.kind": "retrain", **(tags or {})},
+                             alias=CHALLENGER)
+    run.finish()
+    return info.version
+
+
+def perturbed(tiny, seed: int, scale: float = 1e-3):
+    d = load_drafter(tiny.static)
+    with torch.no_grad():
+        d.fc.weight.add_(scale * torch.randn(d.fc.weight.shape, generator=torch.Generator().manual_seed(seed)))
+    return d
+
+
+def reference_text(tiny, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    eos = tiny.tok.eos_token_id
+    ids, _ = generate(tiny.target, None, tiny.tok.encode(prompt), max_tokens, stop_ids=(eos,))
+    return tiny.tok.decode(ids, skip_special_tokens=True)
+
+
+# --- auth --------------------------------------------------------------------------------------
+
+def test_control_api_needs_the_token(make_stack):
+    s = make_stack()
+    routes = [("POST", "check", None), ("GET", "drafters", None), ("POST", "promote", {"version": 1}),
+              ("POST", "rollback", {}), ("GET", "operations", None)]
+    for method, path, body in routes:
+        assert s.control(method, path, body, headers={}).status_code == 401, path
+        wrong = s.control(method, path, body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401, path
+        assert wrong.json()["error"]["type"] == "authentication_error"
+    assert s.registry.aliases() == {CHAMPION: 1} and s.registry.operations() == []  # nothing happened
+    listed = s.control("GET", "drafters").json()
+    assert listed["serving"] == "1" and [v["version"] for v in listed["versions"]] == [1]
+    assert listed["versions"][0]["aliases"] == [CHAMPION] and listed["versions"][0]["kind"] == "static"
+
+
+# --- promote / check / rollback ----------------------------------------------------------------
+
+def test_registry_promotion_is_served_after_check_and_stays_lossless(make_stack, tiny):
+    s = make_stack()
+    assert s.serving() == "1"  # the static drafter, bootstrapped as version 1 at start
+    v2 = register(s.registry, save_drafter(perturbed(tiny, 2), tiny.root / "v2a"))
+    s.registry.promote(v2, actor="cli:test")  # as `tide drafters promote` does: registry only
+    assert s.serving() == "1"  # polling is hourly here: nothing changes until asked
+    out = s.control("POST", "check").json()
+    assert out["status"] == "swapped" and out["version"] == str(v2), out
+    assert s.serving() == str(v2)
+    assert s.control("POST", "check").json()["status"] == "unchanged"
+    for prompt in PROMPTS[:3]:
+        body = s.complete(prompt)
+        assert body["choices"][0]["text"] == reference_text(tiny, prompt)
+        assert body["tide"]["drafter_version"] == str(v2)
+
+
+def test_api_promote_then_rollback_restores_the_exact_previous_drafter(make_stack, tiny):
+    s = make_stack()
+    first = s.engine.drafter
+    v2 = register(s.registry, save_drafter(perturbed(tiny, 3), tiny.root / "v2b"))
+    resp = s.control("POST", "promote", {"version": v2, "actor": "alice", "reason": "try it"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["outcome"]["status"] == "swapped" and s.serving() == str(v2)
+    assert s.registry.aliases() == {CHAMPION: v2, PREVIOUS_CHAMPION: 1}
+    s.traffic()  # requests in flight across the next swap are covered by bench/swap.py
+    resp = s.control("POST", "rollback", {"actor": "bob"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["from"] == v2 and resp.json()["to"] == 1 and s.serving() == "1"
+    assert s.engine.drafter is first  # the very object that served before: no reload
+    reference = load_drafter(tiny.static).state_dict()
+    assert all(torch.equal(t, reference[k]) for k, t in s.engine.drafter.state_dict().items())
+    assert s.registry.aliases() == {CHAMPION: 1}
+    ops = s.control("GET", "operations").json()["operations"]
+    assert [(o["op"], o["actor"], o["from"], o["to"]) for o in ops] == [
+        ("promote", "api:alice", 1, v2), ("rollback", "api:bob", v2, 1)]
+    assert ops[0]["reason"] == "try it" and ops[0]["at_s"] <= ops[1]["at_s"] <= time.time()
+    again = s.control("POST", "rollback")
+    assert again.status_code == 409 and "no previous champion" in again.json()["error"]["message"]
+    missing = s.control("POST", "promote", {"version": 99})
+    assert missing.status_code == 404 and "no version 99" in missing.json()["error"]["message"]
+    assert s.control("POST", "promote", {"version": "x"}).status_code == 400
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+def bad_version(kind: str, tiny, registry: Registry) -> int:
+    root = tiny.root / f"bad-{kind}-{uuid.uuid4().hex[:6]}"
+    if kind == "checksum":
+        version = register(registry, save_drafter(perturbed(tiny, 5), root))
+        # corrupt the stored artifact after registration (bit rot, a partial copy, tampering)
+        info = registry.get_version(version)
+        stored = Path(registry.client.get_run(info.run_id).info.artifact_uri.removeprefix("file://"))
+        weights = stored / ARTIFACT_PATH / "model.safetensors"
+        state = load_file(str(weights))
+        state["fc.weight"] *= 2
+        save_file(state, str(weights))
+        return version
+    if kind == "hidden_size":
+        d = new_drafter(tiny.other_target, 256, torch.arange(512).flip(0), seed=3)
+        return register(registry, save_drafter(d.eval(), root))
+    if kind == "vocab_mapping":
+        d = perturbed(tiny, 6)
+        d.set_vocab_mapping(build_d2t(torch.arange(512), d.shape.draft_vocab_size))
+        return register(registry, save_drafter(d, root))
+    # pickle-only artifact: config + pytorch_model.bin, no safetensors; logged by hand since the
+    # facade's log_drafter refuses it (an external trainer might not)
+    folder = save_drafter(perturbed(tiny, 7), root)
+    torch.save(load_drafter(folder).state_dict(), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    run = registry.start_run("pickle", {"tide.kind": "retrain"})
+    registry.client.log_artifacts(run.run_id, str(folder), ARTIFACT_PATH)
+    artifact = DrafterArtifact(run.run_id, f"{run.artifact_uri}/{ARTIFACT_PATH}", folder_digest(folder), "", "")
+    version = registry.register(artifact, {TAG_PARENT: "1"}, alias=CHALLENGER).version
+    run.finish()
+    return version
+
+
+@pytest.mark.parametrize("kind,why", [("checksum", "hash"), ("hidden_size", "does not fit the target"),
+                                      ("vocab_mapping", "vocab mapping"), ("pickle", "pickle")])
+def test_bad_versions_are_refused_while_the_champion_keeps_serving(make_stack, tiny, kind, why):
+    s = make_stack()
+    bad = bad_version(kind, tiny, s.registry)
+    # straight in the registry (an operator bypassing the engine): the engine refuses to follow
+    s.registry.promote(bad, actor="cli:test", reason="by hand")
+    out = s.control("POST", "check").json()
+    assert out["status"] == "refused" and out["version"] == str(bad) and why in out["detail"], out
+    assert s.serving() == "1"
+    assert s.complete(PROMPTS[0])["choices"][0]["text"] == reference_text(tiny, PROMPTS[0])
+    assert s.control("POST", "check").json()["status"] == "refused"  # remembered, not retried
+    health = httpx.get(f"{s.url}/health").json()
+    assert str(bad) in health["ops"]["refused"] and health["ops"]["serving"] == "1"
+    # through the control API: validated again, refused before the alias moves
+    assert s.control("POST", "promote", {"version": 1}).json()["outcome"]["status"] == "unchanged"
+    resp = s.control("POST", "promote", {"version": bad, "actor": "carol"})
+    assert resp.status_code == 409 and why in resp.json()["error"]["message"], resp.text
+    assert s.registry.aliases()[CHAMPION] == 1 and s.serving() == "1"
+
+
+# --- collapse guard ----------------------------------------------------------------------------
+
+def test_collapse_guard_rolls_back_a_randomized_version_promoted_by_hand(make_stack, tiny, wait):
+    s = make_stack(guard_enabled=True, guard_interval_s=0.1, guard_window_forwards=60, guard_floor=1.2,
+                   poll_interval_s=0.5)
+    collapses = REGISTRY.get_sample_value("tide_ops_rollbacks_total", {"cause": "collapse"}) or 0.0
+    s.traffic()
+    live = s.control("GET", "drafters").json()["live_accept_length"]
+    assert live["1"] > 1.3, live  # the trained drafter is accepted on this traffic
+    bad = perturbed(tiny, 8)
+    with torch.no_grad():
+        bad.lm_head.weight.normal_()
+        bad.fc.weight.normal_()
+    v2 = register(s.registry, save_drafter(bad, tiny.root / "randomized"))
+    s.registry.promote(v2, actor="cli:mallory", reason="looks fine to me")
+    wait(lambda: s.serving() == str(v2), 30, what="the engine to follow the promotion")
+    s.traffic(rounds=3)
+    wait(lambda: s.serving() == "1", 30, what="the guard to swap the previous drafter back")
+    wait(lambda: s.registry.aliases().get(CHAMPION) == 1, 30, what="the registry alias to move back")
+    last = s.registry.operations()[-1]
+    assert (last["op"], last["actor"], last["from"], last["to"]) == ("rollback", "collapse-guard", v2, 1)
+    assert f"drafter {v2}" in last["reason"] and "below floor" in last["reason"]
+    assert REGISTRY.get_sample_value("tide_ops_rollbacks_total", {"cause": "collapse"}) == collapses + 1
+    assert s.registry.get_version(v2).tags["tide.rolled_back"]
+    time.sleep(1.2)  # two more polls: the collapsed version is not taken back
+    assert s.serving() == "1"
+    texts = [b["choices"][0]["text"] for b in s.traffic()]
+    assert sorted(texts) == sorted(reference_text(tiny, p) for p in PROMPTS)
+
+
+def test_collapse_with_no_previous_champion_alerts_and_keeps_serving(make_stack, wait):
+    # a floor no drafter reaches: the first champion "collapses" but there is nothing to go back
+    # to (the drafter configured before the registry was reached does not count)
+    s = make_stack(guard_enabled=True, guard_interval_s=0.1, guard_window_forwards=60, guard_floor=5.0)
+    s.traffic()
+    wait(lambda: REGISTRY.get_sample_value("tide_ops_collapse_alert") == 1, 10, what="the collapse alert")
+    assert s.serving() == "1" and s.registry.aliases() == {CHAMPION: 1} and s.registry.operations() == []
+    assert httpx.get(f"{s.url}/health").json()["ops"]["refused"] == {}
+
+
+# --- registry outage, auto-promotion, CLI -----------------------------------------------------------
+
+def test_engine_serves_while_the_registry_is_unreachable_and_follows_once_it_is_back(tiny, store, tmp_path, wait):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("the store's folder cannot be created while this file is here")
+    cfg = make_config(tiny, store, tmp_path / "home", f"ops-{uuid.uuid4().hex[:8]}")
+    cfg = load_config(env={}, overrides={**_as_overrides(cfg), "registry": {
+        **_as_overrides(cfg)["registry"], "tracking_uri": f"sqlite:///{blocker / 'mlflow.db'}"}})
+    s = Stack(cfg)
+    try:
+        assert s.serving() == "static"
+        assert s.complete(PROMPTS[1])["choices"][0]["text"] == reference_text(tiny, PROMPTS[1])
+        resp = s.control("GET", "drafters")
+        assert resp.status_code == 503 and "registry" in resp.json()["error"]["message"]
+        assert httpx.get(f"{s.url}/health").json()["ops"]["registry_connected"] is False
+        blocker.unlink()
+        wait(lambda: s.serving() == "1", 60, what="the follower to connect, bootstrap and follow")
+        assert httpx.get(f"{s.url}/health").json()["ops"]["registry_connected"] is True
+    finally:
+        s.close()
+
+
+def _as_overrides(cfg) -> dict:
+    import dataclasses
+    return {k: v for k, v in dataclasses.asdict(cfg).items()}
+
+
+def test_auto_promotion_policy_against_the_registry(make_stack, tiny):
+    s = make_stack()
+    cfg_on = load_config(env={}, overrides={**_as_overrides(s.cfg), "ops": {
+        **_as_overrides(s.cfg)["ops"], "auto_promote": True, "auto_promote_margin": 0.05}})
+    weak = register(s.registry, save_drafter(perturbed(tiny, 9), tiny.root / "weak"),
+                    {TAG_SIM_ACCEPT: 1.52, TAG_PARENT_SIM_ACCEPT: 1.50})
+    assert not maybe_auto_promote(s.registry, s.cfg).promote  # off by default
+    decision = maybe_auto_promote(s.registry, cfg_on)
+    assert not decision.promote and s.registry.aliases()[CHAMPION] == 1, decision
+    strong = register(s.registry, save_drafter(perturbed(tiny, 10), tiny.root / "strong"),
+                      {TAG_SIM_ACCEPT: 1.80, TAG_PARENT_SIM_ACCEPT: 1.50})
+    assert maybe_auto_promote(s.registry, cfg_on).promote
+    assert s.registry.aliases() == {CHAMPION: strong, PREVIOUS_CHAMPION: 1} and weak != strong
+    op = s.registry.operations()[-1]
+    assert (op["op"], op["actor"], op["to"]) == ("promote", "auto-promotion", strong) and "1.800" in op["reason"]
+    assert s.control("POST", "check").json()["status"] == "swapped" and s.serving() == str(strong)
+
+
+def run_cli(cfg_path: Path, *argv: str) -> tuple[int, str, str]:
+    from tide.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(["--config", str(cfg_path), "drafters", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_list_show_promote_rollback_diff(make_stack, tiny, tmp_path):
+    import yaml
+
+    s = make_stack()
+    cfg_path = tmp_path / "tide.yaml"
+    cfg_path.write_text(yaml.safe_dump({"home": s.cfg.home, "registry": _as_overrides(s.cfg)["registry"]}))
+    v2 = register(s.registry, save_drafter(perturbed(tiny, 11), tiny.root / "cli-v2"),
+                  {TAG_SIM_ACCEPT: 1.7, TAG_PARENT_SIM_ACCEPT: 1.5, "tide.data_window_start_s": 1.7e9,
+                   "tide.data_window_end_s": 1.7e9 + 3600})
+    s.traffic()
+    code, out, _ = run_cli(cfg_path, "--engine", s.url, "list")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["version", "aliases", "kind", "parent"]
+    row2, row1 = lines[1].split(), lines[2].split()
+    assert row2[:4] == [str(v2), CHALLENGER, "retrain", "1"] and "1.700" in row2 and "1.500" in row2
+    assert row1[:3] == ["1", CHAMPION, "static"] and "2023-11-14" in lines[1]
+    # the /metrics page is process-wide here (every test's engine serves a version "1")
+    live = live_acceptance_from_metrics(httpx.get(f"{s.url}/metrics").text)["1"]
+    assert f"{live:.3f}" in lines[2]
+    code, out, _ = run_cli(cfg_path, "--engine", s.url, "--token", TOKEN, "promote", str(v2),
+                           "--actor", "dave", "--reason", "better on code")
+    assert code == 0 and f"champion: 1 -> {v2}" in out and f"swapped {v2}" in out, out
+    assert s.serving() == str(v2)
+    code, out, _ = run_cli(cfg_path, "show", str(v2))
+    assert code == 0 and "champion" in out and "promote" in out and "by dave" in out
+    code, out, _ = run_cli(cfg_path, "diff", "1", str(v2))
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()}
+    assert code == 0 and rows["version"] == ["1", str(v2)] and rows["sim_accept_length"] == ["-", "1.7000"]
+    assert rows["parent_sim_accept_length"] == ["-", "1.5000"]
+    code, out, _ = run_cli(cfg_path, "--engine", s.url, "--token", TOKEN, "rollback", "--actor", "dave")
+    assert code == 0 and f"champion: {v2} -> 1" in out and s.serving() == "1"
+    code, out, _ = run_cli(cfg_path, "history")
+    assert code == 0 and len(out.splitlines()) == 2 and "rollback" in out.splitlines()[1]
+    code, _, err = run_cli(cfg_path, "show", "42")
+    assert code == 2 and "no version 42" in err
+    code, _, err = run_cli(cfg_path, "promote", "42")
+    assert code == 2 and "no version 42" in err
+    bad = bad_version("vocab_mapping", tiny, s.registry)
+    code, _, err = run_cli(cfg_path, "promote", str(bad))
+    assert code == 2 and "refused" in err and "vocab mapping" in err
+    assert s.registry.aliases()[CHAMPION] == 1
+    code, out, _ = run_cli(cfg_path, "list", "--json")
+    assert code == 0 and {r["version"] for r in json.loads(out)} == {1, v2, bad}

@@ -1,0 +1,166 @@
+"""``tide drafters ...``: operator commands over the registry (and optionally a running engine).
+
+Verbs: ``list``, ``show V``, ``promote V``, ``rollback``, ``diff V W``, ``history``. They act on
+the registry directly (MLflow from ``registry.*`` config), so they work with no engine running;
+every promote/rollback is recorded there (who, when, from, to, why). With ``--engine URL`` (and
+``--token``, default ``server.control_token``) the engine is asked to check its alias at once
+after a promote or rollback, and ``list``/``show`` add the engine's live acceptance.
+
+``promote`` first downloads the version (checksum verified) and loads it against the current
+champion's shapes and vocab mapping, so a version no engine could serve is refused before the
+alias moves; ``--force`` skips that.
+"""
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+from typing import Callable
+
+from tide.ops import inventory
+
+EXIT_ERROR = 2
+
+
+class CommandError(RuntimeError):
+    """Shown to the operator as ``error: <message>`` with exit status 2."""
+
+
+def add_drafters_parser(sub, fn: Callable[[argparse.Namespace], int]) -> None:
+    p = sub.add_parser("drafters", help="list, inspect, promote and roll back drafter versions")
+    p.add_argument("--engine", help="a running engine's URL: check it after changes, show live acceptance")
+    p.add_argument("--token", help="the engine's control token (default: server.control_token)")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    v = verbs.add_parser("list", help="versions with aliases, lineage, data window, acceptance")
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("show", help="everything about one version")
+    v.add_argument("version", type=int)
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("promote", help="make a version champion (the old one becomes previous-champion)")
+    v.add_argument("version", type=int)
+    v.add_argument("--actor", help="who (default cli:<user>)")
+    v.add_argument("--reason", default="")
+    v.add_argument("--force", action="store_true", help="skip validating the artifact first")
+    v = verbs.add_parser("rollback", help="champion back to previous-champion")
+    v.add_argument("--actor")
+    v.add_argument("--reason", default="")
+    v = verbs.add_parser("diff", help="recorded metrics of two versions side by side")
+    v.add_argument("version", type=int)
+    v.add_argument("other", type=int)
+    verbs.add_parser("history", help="recorded promote/rollback operations")
+    p.set_defaults(fn=fn)
+
+
+def run_drafters(args: argparse.Namespace, cfg) -> int:
+    """Run one verb; registry and engine problems print ``error: ...`` and return 2."""
+    from tide.registry import Registry, RegistryError
+
+    try:
+        registry = Registry.from_config(cfg)
+        engine = None
+        if args.engine:
+            engine = inventory.EngineClient(args.engine, args.token or cfg.server.control_token)
+        verb = {"list": _list, "show": _show, "promote": _promote, "rollback": _rollback,
+                "diff": _diff, "history": _history}[args.verb]
+        return verb(args, registry, engine)
+    except (RegistryError, CommandError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _live(engine) -> dict[str, float]:
+    if engine is None:
+        return {}
+    try:
+        return engine.live_acceptance()
+    except Exception as exc:  # noqa: BLE001 - the registry view is still useful
+        print(f"warning: no live acceptance from {engine.url}: {exc}", file=sys.stderr)
+        return {}
+
+
+def _actor(args: argparse.Namespace) -> str:
+    return args.actor or f"cli:{getpass.getuser()}"
+
+
+def _list(args, registry, engine) -> int:
+    live = _live(engine)
+    records = [inventory.version_record(v, live) for v in registry.list_versions()]
+    if args.json:
+        print(json.dumps(records, indent=1))
+    elif not records:
+        print(f"{registry.model_name}: no versions registered at {registry.tracking_uri}")
+    else:
+        print(inventory.versions_table(records))
+    return 0
+
+
+def _show(args, registry, engine) -> int:
+    info = registry.get_version(args.version)
+    live = _live(engine)
+    if args.json:
+        print(json.dumps({**inventory.version_record(info, live), "tags": dict(info.tags),
+                          "metrics": dict(info.metrics), "params": dict(info.params)}, indent=1))
+    else:
+        print(inventory.show_text(info, live, registry.operations()))
+    return 0
+
+
+def _validate(registry, version: int) -> None:
+    """Checksum, format and fit against the current champion (shapes, aux layers, vocab mapping)."""
+    from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter
+    from tide.drafter.vocab import mapping_digest
+    from tide.registry import CHAMPION
+
+    folder = registry.download(version)
+    champion = registry.get_alias(CHAMPION)
+    spec, vocab = None, None
+    if champion is not None and champion.version != version:
+        reference = load_drafter(registry.download(champion.version))
+        s = reference.shape
+        spec = TargetSpec(s.target_hidden_size, s.vocab_size, tuple(s.aux_layer_ids))
+        vocab = mapping_digest(reference.d2t)
+    try:
+        load_drafter(folder, spec, vocab, require_checksum=True)
+    except DrafterError as exc:
+        raise CommandError(f"version {version} refused (use --force to promote anyway): {exc}") from exc
+
+
+def _promote(args, registry, engine) -> int:
+    registry.get_version(args.version)  # unknown versions fail here with a clear message
+    if not args.force:
+        _validate(registry, args.version)
+    old, new = registry.promote(args.version, actor=_actor(args), reason=args.reason)
+    print(f"champion: {old if old is not None else '-'} -> {new}")
+    return _check_engine(engine)
+
+
+def _rollback(args, registry, engine) -> int:
+    old, new = registry.rollback(actor=_actor(args), reason=args.reason)
+    print(f"champion: {old} -> {new} (rolled back)")
+    return _check_engine(engine)
+
+
+def _check_engine(engine) -> int:
+    if engine is None:
+        return 0
+    try:
+        outcome = engine.check()
+    except Exception as exc:  # noqa: BLE001 - the registry change stands; engines poll anyway
+        print(f"warning: the registry changed but {engine.url} could not be asked to check: {exc}",
+              file=sys.stderr)
+        return 1
+    print(f"engine {engine.url}: {outcome['status']} {outcome.get('version') or ''} {outcome.get('detail') or ''}")
+    return 0 if outcome["status"] in ("swapped", "unchanged") else 1
+
+
+def _diff(args, registry, engine) -> int:
+    a, b = registry.get_version(args.version), registry.get_version(args.other)
+    print(inventory.rows_text(inventory.diff_rows(a, b)))
+    return 0
+
+
+def _history(args, registry, engine) -> int:
+    ops = registry.operations()
+    print("\n".join(inventory.operation_line(op) for op in ops) if ops else "no operations recorded")
+    return 0

@@ -1,0 +1,93 @@
+"""Auto-promotion policy: when a ``challenger`` may become ``champion`` without an operator.
+
+Promotion is manual by default (``ops.auto_promote`` off). When on, ``decide`` answers yes only if:
+1. a complete challenger exists and is not already champion;
+2. it was never rolled back (tag ``tide.rolled_back``: an operator or the collapse guard took it
+   out of service once; only an operator brings it back);
+3. its held-out simulated acceptance length and its parent's, measured by the retrain on the same
+   held-out slice, are both recorded, and the parent is the current champion (with no champion:
+   the static drafter). Otherwise the two numbers would describe different drafters or slices
+   and comparing them would be meaningless;
+4. challenger >= parent x (1 + margin).
+``maybe_auto_promote`` applies the decision to a registry; the registry records the operation
+(actor ``auto-promotion``, the reason carries both numbers).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+from tide.registry import (CHALLENGER, CHAMPION, TAG_PARENT, TAG_PARENT_SIM_ACCEPT, Registry,
+                           VersionInfo)
+
+log = logging.getLogger(__name__)
+
+ACTOR = "auto-promotion"
+TAG_ROLLED_BACK = "tide.rolled_back"  # set on a version by Registry.rollback
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    promote: bool
+    reason: str
+    challenger: int | None = None
+    champion: int | None = None
+    challenger_sim: float | None = None
+    baseline_sim: float | None = None  # the parent's (= champion's) sim accept length, same slice
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def decide(challenger: VersionInfo | None, champion: VersionInfo | None, margin: float) -> PromotionDecision:
+    """The policy (steps in the module docstring); reads only registry tags."""
+    if challenger is None:
+        return PromotionDecision(False, "no challenger")
+    cv, pv = challenger.version, champion.version if champion is not None else None
+    if not challenger.complete:
+        return PromotionDecision(False, f"challenger {cv} is not completely registered", cv, pv)
+    if pv == cv:
+        return PromotionDecision(False, f"challenger {cv} is already champion", cv, pv)
+    if challenger.tags.get(TAG_ROLLED_BACK):
+        return PromotionDecision(False, f"challenger {cv} was rolled back before "
+                                        f"({challenger.tags[TAG_ROLLED_BACK]}); only an operator may promote it", cv, pv)
+    sim, base = challenger.sim_accept_length, _float(challenger.tags.get(TAG_PARENT_SIM_ACCEPT))
+    if sim is None or base is None:
+        return PromotionDecision(False, f"challenger {cv} lacks recorded sim accept lengths "
+                                        "(its own and its parent's)", cv, pv, sim, base)
+    parent = challenger.tags.get(TAG_PARENT, "")
+    expected_parent = str(pv) if pv is not None else "static"
+    if parent != expected_parent:
+        return PromotionDecision(False, f"challenger {cv} was trained from {parent or '?'} but the champion is "
+                                        f"{expected_parent}: its held-out comparison is not against the "
+                                        "serving drafter", cv, pv, sim, base)
+    needed = base * (1.0 + margin)
+    if sim >= needed - 1e-9:  # recorded values are rounded; exactly the margin counts
+        return PromotionDecision(True, f"sim accept length {sim:.3f} >= {needed:.3f} "
+                                       f"(champion {base:.3f} x (1 + {margin:g}))", cv, pv, sim, base)
+    return PromotionDecision(False, f"sim accept length {sim:.3f} < {needed:.3f} "
+                                    f"(champion {base:.3f} x (1 + {margin:g}))", cv, pv, sim, base)
+
+
+def maybe_auto_promote(registry: Registry, cfg, actor: str = ACTOR) -> PromotionDecision:
+    """Promote the challenger if ``cfg.ops.auto_promote`` is on and the policy agrees.
+
+    ``cfg`` is the whole TideConfig. Registry failures propagate as RegistryError; the caller (a
+    retrain that already registered its version) decides whether that fails it.
+    """
+    if not cfg.ops.auto_promote:
+        return PromotionDecision(False, "auto-promotion is off (ops.auto_promote)")
+    decision = decide(registry.get_alias(CHALLENGER), registry.get_alias(CHAMPION), cfg.ops.auto_promote_margin)
+    if decision.promote:
+        registry.promote(decision.challenger, actor=actor, reason=decision.reason)
+        log.info("auto-promotion: version %s is champion: %s", decision.challenger, decision.reason)
+    else:
+        log.info("auto-promotion: not promoting: %s", decision.reason)
+    return decision
