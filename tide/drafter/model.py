@@ -42,6 +42,9 @@ class DrafterShape:
     rope_theta: float
     max_position_embeddings: int
     aux_layer_ids: tuple[int, ...] = field(default=(2, 15, 27))
+    # RMSNorm each aux chunk before fc (SpecForge's ``fc_norm``): the target's residual streams
+    # carry massive activations (|x| ~ 2.5e4 at sink positions in SmolLM2) that otherwise swamp fc
+    fc_norm: bool = False
 
     def to_hf_config(self, extra: dict | None = None) -> dict:
         """The config.json SpecForge and SGLang read."""
@@ -68,6 +71,8 @@ class DrafterShape:
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layer_ids]},
             "tide_aux_layer_ids": list(self.aux_layer_ids),
         }
+        if self.fc_norm:
+            cfg["fc_norm"] = True
         cfg.update(extra or {})
         return cfg
 
@@ -90,6 +95,7 @@ class DrafterShape:
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048), aux_layer_ids=aux,
+            fc_norm=bool(cfg.get("fc_norm", False)),
         )
 
     def as_dict(self) -> dict:
@@ -158,6 +164,8 @@ class Eagle3Drafter(nn.Module):
         self.shape = shape
         s = shape
         self.fc = nn.Linear(3 * s.target_hidden_size, s.hidden_size, bias=False)
+        self.fc_norm = nn.ModuleList([RMSNorm(s.target_hidden_size, s.rms_norm_eps) for _ in range(3)]) \
+            if s.fc_norm else None
         self.midlayer = MidLayer(s)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
@@ -175,6 +183,13 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros_like(self.t2d)
         t2d[torch.arange(len(d2t)) + d2t] = True
         self.t2d.copy_(t2d)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target aux states [.., 3H] → the drafter's hidden stream [.., H]."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+        return self.fc(aux)
 
     @property
     def draft_to_target(self) -> torch.Tensor:

@@ -96,7 +96,7 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
     out_tokens = torch.zeros(bsz, gamma, dtype=torch.long)
     q_probs: list[list[torch.Tensor]] = [[] for _ in rows]
     with torch.inference_mode():
-        hidden = drafter.fc(aux.to(drafter.fc.weight.dtype))
+        hidden = drafter.project(aux)
         h = drafter.step(F.embedding(tokens, embed), hidden, cache, slots, positions, first)
         h = h[torch.arange(bsz), last][:, None]  # [B, 1, H]
         pos = positions[torch.arange(bsz), last][:, None]

@@ -95,7 +95,7 @@ def new_drafter(target: LlamaTarget, draft_vocab_size: int, counts: torch.Tensor
         num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
         vocab_size=s.vocab_size, draft_vocab_size=draft_vocab_size, target_hidden_size=s.hidden_size,
         rms_norm_eps=s.rms_norm_eps, rope_theta=s.rope_theta,
-        max_position_embeddings=s.max_position_embeddings, aux_layer_ids=target.aux_layer_ids)
+        max_position_embeddings=s.max_position_embeddings, aux_layer_ids=target.aux_layer_ids, fc_norm=True)
     drafter = Eagle3Drafter(shape)
     drafter.init_weights(seed)
     drafter.set_vocab_mapping(build_d2t(counts, draft_vocab_size, always=always_ids))

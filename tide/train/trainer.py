@@ -101,13 +101,16 @@ def prepare(samples: list[Sample], drafter: Eagle3Drafter, lm_head: torch.Tensor
 def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample], *,
           epochs: int, lr: float, batch_tokens: int, max_len: int, ttt_length: int, step_weight: float,
           seed: int = 0, progress: bool = True, max_wall_s: float | None = None,
-          on_step: Callable[[int, float], None] | None = None) -> TrainResult:
+          on_step: Callable[[int, float], None] | None = None, feature_weight: float = 0.0,
+          ce_weight: float = 1.0, train_head: bool = True) -> TrainResult:
     torch.manual_seed(seed)
+    drafter.lm_head.weight.requires_grad_(train_head)
     prepare(samples, drafter, lm_head)
     batches = make_batches(samples, batch_tokens, max_len)
     total_steps = max(1, epochs * len(batches))
     warmup = max(1, total_steps // 20)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / total_steps)))))
     rng = random.Random(seed)
@@ -121,10 +124,11 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
             rng.shuffle(order)
             for bi in order:
                 batch = collate(batches[bi], max_len)
-                loss, losses, accs = eagle3_loss(drafter, embed, lm_head, batch, ttt_length, step_weight)
+                loss, losses, accs = eagle3_loss(drafter, embed, lm_head, batch, ttt_length, step_weight,
+                                                 feature_weight, ce_weight)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 sched.step()
                 result.steps += 1
@@ -139,6 +143,7 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
                     return result
     finally:
         bar.close()
+        drafter.lm_head.weight.requires_grad_(True)
         drafter.eval()
         result.wall_s = time.monotonic() - start
     return result

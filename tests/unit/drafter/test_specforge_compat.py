@@ -48,7 +48,7 @@ def test_same_logits_as_specforge(pair):
         h = sf.project_hidden_states(aux)
         out = sf.backbone(sf.embed_input_ids(ids), h, None, _sf_mask(sf, h), torch.arange(11)[None].expand(2, 11))
         ref = sf.compute_logits(out)
-        mine = ours.logits(ours.causal_forward(F.embedding(ids, embed), ours.fc(aux)))
+        mine = ours.logits(ours.causal_forward(F.embedding(ids, embed), ours.project(aux)))
     assert torch.allclose(ref, mine, atol=1e-5), (ref - mine).abs().max()
 
 
