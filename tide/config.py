@@ -156,7 +156,7 @@ class TrainConfig:
     step_weight_decay: float = 0.8
     lr: float = 3e-4
     epochs: int = 1  # online retrains warm-start on fresh traffic: one pass (time-bounded)
-    batch_tokens: int = 2048
+    batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory
     max_seq_len: int = 512
     draft_vocab_size: int = 8192
     seed: int = 0
@@ -175,7 +175,12 @@ class TrainConfig:
     # default replay ratio a retrain sees ~50k tokens: ~10 CPU minutes (bench/retrain.py)
     max_train_tokens: int = 40_000
     max_train_s: float = 900.0  # training stops here; the drafter so far is evaluated
-    train_on_prompt: bool = True  # prompt positions train too (their teacher is the target's own)
+    train_on_prompt: bool = False  # prompt positions train too (their teacher is the target's own)
+    # loss weights (tide/train/objective.py): SpecForge's soft cross-entropy, and optional
+    # EAGLE-1-style feature regression; train_head=False freezes the lm_head (target-initialised)
+    ce_weight: float = 1.0
+    feature_weight: float = 0.0
+    train_head: bool = True
     data_dir: str = ""  # empty = the ingest data_dir (<home>/dataset)
 
 

@@ -40,12 +40,15 @@ class StaticRecipe:
     vocab_text_conversations: int = 3000
     draft_vocab_size: int = 8192
     intermediate_size: int = 1024
-    epochs: int = 2
-    lr: float = 1e-3
+    epochs: int = 5
+    lr: float = 2e-3
     batch_tokens: int = 1024
     ttt_length: int = 4
     gamma: int = 4
     seed: int = 0
+    # loss on generated positions only: that is where the drafter drafts, and the CE's cost is
+    # per position (prompt positions still feed the drafter's attention)
+    train_on_prompt: bool = False
 
 
 def save_samples(samples: list[Sample], path: Path) -> None:
@@ -92,7 +95,8 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
     train_prompts = workloads.sharegpt("train", recipe.train_prompts, recipe.seed, kind="chat", home=home)
     held = workloads.sharegpt("heldout", recipe.heldout_prompts, recipe.seed, kind="chat", home=home)
     t0 = time.monotonic()
-    samples = prompt_samples(target, tokenizer, eos, train_prompts, recipe, cache, f"train-{recipe.train_prompts}", True)
+    samples = prompt_samples(target, tokenizer, eos, train_prompts, recipe, cache, f"train-{recipe.train_prompts}",
+                             recipe.train_on_prompt)
     held_samples = prompt_samples(target, tokenizer, eos, held, recipe, cache, f"heldout-{recipe.heldout_prompts}", False)
     gen_s = time.monotonic() - t0
     texts = [t for kind in ("chat", "code")
@@ -106,6 +110,7 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
     result = train(drafter, embed, head, samples, epochs=recipe.epochs, lr=recipe.lr,
                    batch_tokens=recipe.batch_tokens, max_len=recipe.max_prompt_tokens + recipe.max_new_tokens,
                    ttt_length=recipe.ttt_length, step_weight=0.8, seed=recipe.seed)
+    # (the trainer defaults: SpecForge's soft cross-entropy only, lm_head trained)
     after = evaluate(drafter, embed, head, held_samples, recipe.gamma)
     log.info("static drafter: simulated accept length %.3f -> %.3f", before.accept_length, after.accept_length)
     meta = {
@@ -121,7 +126,7 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
         "target": cfg.model.model_id,
     }
     dest = out or cached_static_path(cfg.home_path)
-    save_drafter(drafter, dest, metadata=meta)
+    save_drafter(drafter, dest, metadata=meta, dtype=torch.bfloat16)
     (dest.parent / f"{dest.name}.train.json").write_text(json.dumps(
         {**meta, "loss_curve": result.loss_curve}, indent=1))
     return dest
