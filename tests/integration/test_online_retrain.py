@@ -1,0 +1,203 @@
+"""The retrain job end to end on real parts: Parquet written by the dataset writer from a real
+(tiny, H=64) target's states, a real MLflow SQLite store, and `tide train --online` as the
+subprocess the scheduler launches (killed with SIGKILL in one test)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tide.config import load_config
+from tide.drafter.artifact import TargetSpec, load_drafter, save_drafter
+from tide.drafter.static import cached_static_path
+from tide.drafter.vocab import mapping_digest
+from tide.registry import CHALLENGER, CHAMPION, Registry
+from tide.train.capture_log import log_samples
+from tide.train.online import NOTHING_TO_DO, run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_ID = "tiny/test-target"
+AUX = (1, 2, 3)
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """Tiny target checkpoint, a static drafter for it, and 72 generated requests (states + prompt lengths)."""
+    from transformers import AutoTokenizer
+
+    from tide.engine.reference import eos_ids_of
+    from tide.models.llama import LlamaTarget
+    from tide.models.tiny import tiny_llama_checkpoint
+    from tide.train.offline import generate_samples, new_drafter, render_prompt
+
+    root = tmp_path_factory.mktemp("tiny-retrain")
+    folder = tiny_llama_checkpoint(root / "target")
+    target = LlamaTarget.from_folder(folder, aux_layer_ids=AUX, max_seq_len=256)
+    tok = AutoTokenizer.from_pretrained(folder)
+    topics = ["a stack", "the weather", "fibonacci numbers", "a robot who paints", "tea", "sorting a list"]
+    prompts = [render_prompt(tok, f"Tell me about {topics[i % 6]}, part {i}.", 64) for i in range(72)]
+    samples = generate_samples(target, prompts, 20, eos_ids_of(tok, folder), progress=False)
+    counts = torch.bincount(torch.cat([s.tokens for s in samples]), minlength=target.shape.vocab_size)
+    drafter = new_drafter(target, 256, counts, seed=0)
+    static = save_drafter(drafter, root / "static", metadata={"version": "static"})
+    return folder, static, samples, [len(p) for p in prompts]
+
+
+def make_home(tmp_path, tiny_setup, n_requests: int, **train) -> tuple[Path, Path]:
+    """A TIDE home with the static drafter, ``n_requests`` logged requests and a config file."""
+    folder, static, samples, prompt_lens = tiny_setup
+    home = tmp_path / "home"
+    import shutil
+    shutil.copytree(static, cached_static_path(home))
+    log_samples(home / "dataset", samples[:n_requests], prompt_lens[:n_requests], target_model_id=MODEL_ID,
+                aux_layer_ids=AUX, start_s=T0, id_prefix="req", max_message_bytes=60_000, rows_per_file=16)
+    cfg = {
+        "home": str(home),
+        "model": {"target": str(folder), "model_id": MODEL_ID, "aux_layer_ids": list(AUX), "max_seq_len": 256},
+        "spec": {"draft_len": 3},
+        "train": {"epochs": 1, "batch_tokens": 1024, "max_seq_len": 128, "ttt_length": 2, "lr": 1e-3,
+                  "window_samples": 48, "replay_ratio": 0.25, "heldout_fraction": 0.2, "min_samples": 8,
+                  "max_train_s": 120, **train},
+    }
+    path = tmp_path / "tide.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return home, path
+
+
+def retrain_cmd(config: Path, result: Path) -> list[str]:
+    return [sys.executable, "-m", "tide.cli", "train", "--online", "--config", str(config),
+            "--result-json", str(result)]
+
+
+def run_job(config: Path, result: Path, timeout_s: float = 400) -> tuple[int, dict, str]:
+    proc = subprocess.run(retrain_cmd(config, result), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "PYTHONPATH": str(REPO)})
+    payload = json.loads(result.read_text()) if result.exists() else {}
+    return proc.returncode, payload, proc.stderr[-4000:]
+
+
+def test_too_few_samples_is_nothing_to_do(tmp_path, tiny_setup):
+    home, config = make_home(tmp_path, tiny_setup, 6)
+    result = tmp_path / "result.json"
+    assert run_cli(load_config(config), str(result)) == 0
+    payload = json.loads(result.read_text())
+    assert payload["status"] == NOTHING_TO_DO and payload["version"] is None
+    assert "need 8" in payload["reason"]
+    assert Registry.from_config(load_config(config)).list_versions(include_incomplete=True) == []
+
+
+def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup):
+    home, config = make_home(tmp_path, tiny_setup, 72)
+    code, payload, err = run_job(config, tmp_path / "result.json")
+    assert code == 0, err
+    assert payload["status"] == "registered" and payload["version"] == 2, payload
+    cfg = load_config(config)
+    registry = Registry.from_config(cfg)
+    assert registry.aliases() == {CHAMPION: 1, CHALLENGER: 2}  # static bootstrapped as v1 champion
+    static, version = registry.get_version(1), registry.get_version(2)
+    assert static.kind == "static"
+    tags = version.tags
+    assert tags["tide.kind"] == "retrain" and tags["tide.parent_version"] == "1"
+    assert float(tags["tide.data_window_start_s"]) == T0 + 24 and float(tags["tide.data_window_end_s"]) == T0 + 71
+    assert int(tags["tide.recent_requests"]) + int(tags["tide.heldout_requests"]) <= 48
+    assert int(tags["tide.replay_requests"]) > 0 and tags["tide.code_version"]
+    assert tags["tide.vocab_mapping"] == static.tags["tide.vocab_mapping"]  # vocab kept fixed
+    metrics = version.metrics
+    for key in ("candidate_sim_accept_length", "champion_sim_accept_length", "candidate_heldout_loss",
+                "champion_heldout_loss", "train_tokens_per_s"):
+        assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
+    assert float(tags["tide.sim_accept_length"]) == pytest.approx(metrics["candidate_sim_accept_length"], abs=1e-4)
+    losses = registry.client.get_metric_history(version.run_id, "train_loss")
+    assert len(losses) == metrics["train_steps"] > 0
+    assert version.params["parent_version"] == "1" and version.params["window_start_s"] == str(T0 + 24)
+    local = registry.download(2)
+    spec = TargetSpec(64, 512, AUX)
+    trained, parent = load_drafter(local, spec), load_drafter(registry.download(1), spec)
+    assert mapping_digest(trained.d2t) == mapping_digest(parent.d2t)
+    assert not torch.equal(trained.fc.weight, parent.fc.weight)  # it did train
+    assert registry.client.get_run(version.run_id).info.status == "FINISHED"
+
+    # the same window, exported for SpecForge with the champion's (fixed) vocab mapping
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    from tide.train.online import export_window
+    manifest = export_window(cfg, tmp_path / "specforge")
+    assert manifest["samples"] == int(tags["tide.recent_requests"]) + int(tags["tide.replay_requests"])
+    assert len(OfflineManifestReader(str(tmp_path / "specforge")).read()) == manifest["samples"]
+    mapping = torch.load(tmp_path / "specforge" / "vocab_mapping" / "vocab_mapping.pt")
+    assert torch.equal(mapping["d2t"], parent.d2t)
+
+
+def test_killed_retrain_leaves_no_version_and_the_next_one_succeeds(tmp_path, tiny_setup):
+    home, config = make_home(tmp_path, tiny_setup, 72, epochs=500, max_train_s=600)
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(retrain_cmd(config, tmp_path / "killed.json"), cwd=REPO, stdout=log_file,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 300
+        while "retrain: training" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the job never started training"
+            time.sleep(0.5)
+        time.sleep(2.0)  # mid-training
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    cfg = load_config(config)
+    registry = Registry.from_config(cfg)
+    assert [v.version for v in registry.list_versions(include_incomplete=True)] == [1]  # only the bootstrap
+    assert registry.aliases() == {CHAMPION: 1}
+    killed = registry.client.search_runs([registry.experiment_id], "tags.`tide.kind` = 'retrain'")
+    assert [r.info.status for r in killed] == ["RUNNING"]
+    assert list((home / "retrain").glob("work-*"))  # its work folder was left behind
+
+    # the next job cleans up after it and succeeds
+    fast = yaml.safe_load(config.read_text())
+    fast["train"].update(epochs=1, max_train_s=120)
+    config.write_text(yaml.safe_dump(fast))
+    code, payload, err = run_job(config, tmp_path / "result.json")
+    assert code == 0 and payload["status"] == "registered", err
+    assert payload["version"] == 2 and registry.aliases() == {CHAMPION: 1, CHALLENGER: 2}
+    assert registry.client.get_run(killed[0].info.run_id).info.status == "KILLED"
+    assert not list((home / "retrain").glob("work-*"))
+
+
+def test_sigterm_unwinds_cleanly(tmp_path, tiny_setup):
+    """The scheduler's timeout sends SIGTERM first: the job marks its run KILLED, registers
+    nothing, removes its work folder and reports the interruption."""
+    home, config = make_home(tmp_path, tiny_setup, 72, epochs=500, max_train_s=600)
+    log_path, result = tmp_path / "job.log", tmp_path / "result.json"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(retrain_cmd(config, result), cwd=REPO, stdout=log_file,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 300
+        while "retrain: training" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    payload = json.loads(result.read_text())
+    assert payload["status"] == "failed" and "interrupted" in payload["reason"]
+    registry = Registry.from_config(load_config(config))
+    assert [v.version for v in registry.list_versions(include_incomplete=True)] == [1]
+    runs = registry.client.search_runs([registry.experiment_id], "tags.`tide.kind` = 'retrain'")
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert not list((home / "retrain").glob("work-*"))

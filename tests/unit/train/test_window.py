@@ -1,0 +1,93 @@
+"""Window + replay + held-out selection over real Parquet files written by the dataset writer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tide.train.capture_log import log_samples
+from tide.train.trainer import Sample
+from tide.train.window import WindowSpec, heldout_score, load_window, plan_window
+
+H = 8
+T0 = 1_700_000_000.0
+
+
+def make_samples(n: int, seed: int, length: int = 20) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = length + i % 7
+        out.append(Sample(tokens=torch.randint(0, 500, (t,), generator=g), loss_mask=torch.ones(t),
+                          aux=torch.randn(t, 3 * H, generator=g), final=torch.randn(t, H, generator=g)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """100 old 'chat' requests, then 60 recent 'code' requests an hour later (chunked records)."""
+    data_dir = tmp_path_factory.mktemp("dataset")
+    old, new = make_samples(100, 1), make_samples(60, 2)
+    log_samples(data_dir, old, [8] * len(old), target_model_id="org/m", aux_layer_ids=(1, 2, 3),
+                start_s=T0, workload="chat", id_prefix="chat", rows_per_file=40)
+    log_samples(data_dir, new, [8] * len(new), target_model_id="org/m", aux_layer_ids=(1, 2, 3),
+                start_s=T0 + 3600, workload="code", id_prefix="code", first_offset=1000,
+                max_message_bytes=2000, rows_per_file=50)
+    log_samples(data_dir, make_samples(5, 3), [4] * 5, target_model_id="org/other",
+                aux_layer_ids=(1, 2, 3), start_s=T0 + 7200, id_prefix="other", first_offset=5000)
+    return data_dir, old, new
+
+
+def test_window_replay_and_heldout_partition(dataset):
+    data_dir, _, _ = dataset
+    spec = WindowSpec(window_samples=60, replay_ratio=0.5, heldout_fraction=0.2, target_model="org/m")
+    plan = plan_window(data_dir, spec)
+    assert plan.catalog_requests == 160 and plan.window_requests == 60  # other model excluded
+    assert all(r.startswith("code") for r in plan.recent + plan.heldout)
+    assert all(r.startswith("chat") for r in plan.replay)
+    assert len(plan.replay) == int(0.5 * len(plan.recent) + 0.5)  # half rounds up
+    assert all(heldout_score(r) < 0.2 for r in plan.heldout)
+    assert all(heldout_score(r) >= 0.2 for r in plan.recent + plan.replay)  # never trained on
+    assert len(plan.recent) + plan.heldout_in_window == 60
+    assert plan.window_start_s == T0 + 3600 and plan.window_end_s == T0 + 3600 + 59
+    assert plan == plan_window(data_dir, spec)  # deterministic
+    other_seed = plan_window(data_dir, WindowSpec(window_samples=60, replay_ratio=0.5, heldout_fraction=0.2,
+                                                  target_model="org/m", seed=1))
+    assert other_seed.recent == plan.recent and other_seed.replay != plan.replay
+
+
+def test_time_window_token_cap_and_until(dataset):
+    data_dir, _, _ = dataset
+    plan = plan_window(data_dir, WindowSpec(window_s=1800, replay_ratio=0.0, target_model="org/m"))
+    assert plan.window_requests == 60 and plan.replay == []
+    capped = plan_window(data_dir, WindowSpec(window_s=1800, max_train_tokens=200, target_model="org/m"))
+    assert capped.recent_tokens <= 200 and capped.recent == plan.recent[-len(capped.recent):]
+    early = plan_window(data_dir, WindowSpec(window_samples=10, target_model="org/m", until_s=T0 + 50))
+    assert early.catalog_requests == 50 and early.window_end_s == T0 + 49
+
+
+def test_heldout_topped_up_when_hash_finds_too_few(dataset):
+    data_dir, _, _ = dataset
+    plan = plan_window(data_dir, WindowSpec(window_samples=6, heldout_fraction=0.0, min_heldout_samples=2,
+                                            target_model="org/m"))
+    assert len(plan.heldout) == 2 and plan.heldout_in_window == 0 and len(plan.recent) == 4
+    assert not set(plan.heldout) & set(plan.recent)
+
+
+def test_load_window_joins_chunks_and_keeps_values(dataset):
+    data_dir, _, new = dataset
+    plan = plan_window(data_dir, WindowSpec(window_samples=60, replay_ratio=0.25, heldout_fraction=0.2,
+                                            target_model="org/m"))
+    data = load_window(data_dir, plan, train_on_prompt=False, max_seq_len=512)
+    assert data.missing == 0 and len(data.train) == len(plan.train_ids) and len(data.heldout) == len(plan.heldout)
+    by_id = dict(zip(plan.train_ids, data.train))
+    rid = plan.recent[0]
+    original = new[int(rid.split("-")[1])]
+    got = by_id[rid]
+    assert torch.equal(got.tokens, original.tokens)
+    assert got.aux.dtype == torch.bfloat16 and torch.equal(got.aux, original.aux.to(torch.bfloat16))
+    assert torch.equal(got.final, original.final.to(torch.bfloat16))
+    assert got.loss_mask[:8].sum() == 0 and got.loss_mask[8:].min() == 1  # captured mask: generated only
+    trained = load_window(data_dir, plan, train_on_prompt=True, max_seq_len=16)
+    assert all(len(s) <= 16 and s.loss_mask.min() == 1 for s in trained.train)
+    assert all(s.loss_mask[:8].sum() == 0 for s in trained.heldout)  # evaluation: generated positions only
+    assert data.train_tokens == sum(len(s) for s in data.train)

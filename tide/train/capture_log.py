@@ -1,0 +1,107 @@
+"""Target states written into the Parquet dataset exactly as capture + ingest would write them.
+
+Tests, benches and the shift experiment need logged traffic without running an engine, a broker
+and an ingest service. ``log_samples`` takes trainer ``Sample``s (e.g. from
+``tide.train.offline.generate_samples``) and, per sample:
+1. builds the capture ``Record`` (bfloat16 states, loss mask 0 on the prompt, 1 on generated
+   positions), splits it into chunks under ``max_message_bytes`` like the producer, and sends
+   each chunk through ``encode``/``decode`` like the broker round trip;
+2. appends the chunks as Kafka-like rows (consecutive offsets of one topic partition) to the
+   dataset writer's ``OpenFile``s, one per ``target_model=/date=/hour=`` directory;
+3. seals each file (fsync + rename) and adds it to the dataset index, as ingest does.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from tide.dataset.index import DatasetIndex
+from tide.dataset.schema import Row, partition_dir
+from tide.dataset.writer import FileStats, OpenFile
+from tide.records import Record, decode, encode, split
+from tide.train.trainer import Sample
+
+_STORAGE = {"bfloat16": (torch.bfloat16, torch.int16), "float8_e4m3fn": (torch.float8_e4m3fn, torch.uint8)}
+
+
+def hidden_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
+    """Row-major raw bytes in the storage dtype (the capture producer's encoding; training must
+    not import the capture side, so the two lines are repeated here)."""
+    cast, bits = _STORAGE[dtype]
+    return tensor.detach().to(cast).contiguous().view(bits).numpy().tobytes()
+
+
+def sample_record(sample: Sample, request_id: str, prompt_len: int, finished_at_s: float,
+                  target_model_id: str, aux_layer_ids: tuple[int, ...], workload: str | None = None,
+                  drafter_version: str = "static", hidden_dtype: str = "bfloat16") -> Record:
+    """The capture record of one request whose first ``prompt_len`` positions were the prompt."""
+    t = len(sample)
+    mask = (torch.arange(t) >= prompt_len).to(torch.uint8)
+    return Record(
+        request_id=request_id, target_model_id=target_model_id, drafter_version=drafter_version,
+        aux_layer_ids=tuple(aux_layer_ids), workload=workload, started_at_s=finished_at_s - 1.0,
+        finished_at_s=finished_at_s, hidden_size=int(sample.final.shape[-1]), hidden_dtype=hidden_dtype,
+        token_ids=sample.tokens.to(torch.int32).numpy(), loss_mask=mask.numpy(),
+        aux_hidden=hidden_bytes(sample.aux, hidden_dtype), final_hidden=hidden_bytes(sample.final, hidden_dtype),
+        request_num_tokens=t)
+
+
+def prompt_length(sample: Sample) -> int:
+    """Leading positions with loss mask 0 (what ``generate_samples`` marks as the prompt)."""
+    nonzero = torch.nonzero(sample.loss_mask > 0)
+    return int(nonzero[0, 0]) if nonzero.numel() else len(sample)
+
+
+def log_samples(data_dir: str | Path, samples: Sequence[Sample], prompt_lens: Sequence[int] | None = None, *,
+                target_model_id: str, aux_layer_ids: tuple[int, ...], start_s: float,
+                spacing_s: float = 1.0, workload: str | None = None, id_prefix: str = "req",
+                topic: str = "tide.hidden-states", partition: int = 0, first_offset: int = 0,
+                max_message_bytes: int = 900_000, rows_per_file: int = 256,
+                hidden_dtype: str = "bfloat16", request_ids: Sequence[str] | None = None
+                ) -> list[FileStats]:
+    """Write ``samples`` (request i finished at ``start_s + i * spacing_s``); returns the files.
+
+    ``prompt_lens`` default: each sample's leading zeros of its loss mask; ``request_ids``
+    default: ``<id_prefix>-<i:06d>``.
+    """
+    if prompt_lens is None:
+        prompt_lens = [prompt_length(s) for s in samples]
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    index = DatasetIndex(data_dir)
+    sealed: list[FileStats] = []
+    offset = first_offset
+    open_files: dict[str, OpenFile] = {}
+
+    def seal(rel: str) -> None:
+        f = open_files.pop(rel)
+        stats = f.seal(created_at_s=f.max_time_s)
+        index.add(stats, f.request_ids)
+        sealed.append(stats)
+
+    try:
+        for i, (sample, prompt_len) in enumerate(zip(samples, prompt_lens, strict=True)):
+            at_s = start_s + i * spacing_s
+            rid = request_ids[i] if request_ids is not None else f"{id_prefix}-{i:06d}"
+            record = sample_record(sample, rid, prompt_len, at_s, target_model_id,
+                                   aux_layer_ids, workload, hidden_dtype=hidden_dtype)
+            rel = partition_dir(target_model_id, at_s)
+            for other in [r for r in open_files if r != rel]:
+                seal(other)  # like ingest: a file holds consecutive offsets of one directory
+            for chunk in split(record, max_message_bytes):
+                f = open_files.get(rel)
+                if f is None:
+                    f = open_files[rel] = OpenFile(data_dir, rel, topic, partition, 64, 32 * 1024 * 1024)
+                f.add(Row(decode(encode(chunk)), topic, partition, offset, int(at_s * 1000), at_s))
+                offset += 1
+                if f.rows >= rows_per_file:
+                    seal(rel)
+        for rel in list(open_files):
+            seal(rel)
+    finally:
+        for f in open_files.values():
+            f.discard()
+        index.close()
+    return sealed

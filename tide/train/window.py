@@ -1,0 +1,283 @@
+"""Training data for an online retrain, chosen from the Parquet dataset without loading it.
+
+``plan_window`` decides which captured requests train and which evaluate, reading only small
+columns (ids, times, token counts; never hidden states):
+1. list the dataset's files for the target model (from its index) and catalog every request whose
+   chunks are all present: capture time, tokens, generated tokens, files holding it;
+2. the recent window = the newest ``window_samples`` requests, else those captured within
+   ``window_s`` of the newest one, else everything;
+3. held out = requests whose id hashes below ``heldout_fraction`` (a fixed partition of the
+   whole dataset, so a held-out request is never trained on by any retrain); if the window has
+   fewer than ``min_heldout_samples`` of them, the window's lowest-hash requests top it up;
+   the newest ``heldout_max_samples`` of the window's held-out requests are evaluated;
+4. recent training requests = the rest of the window, newest first up to ``max_train_tokens``;
+5. replay = ``replay_ratio`` x that many requests drawn from older, not-held-out requests by a
+   seeded hash, a few files at a time (``_replay_sample``: loading them reads a bounded number
+   of files, not the whole past; deterministic for a given seed).
+``load_window`` then streams only the files holding chosen requests through ``DatasetReader``
+and keeps the chosen ones as trainer ``Sample``s in bfloat16 (what was stored). The same plan
+can be written in SpecForge's offline format (``tide/train/specforge_export.py``).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from tide.dataset.reader import DatasetReader
+from tide.dataset.reader import Sample as DatasetSample
+from tide.train.trainer import Sample
+
+_CATALOG_COLUMNS = ["request_id", "target_model_id", "finished_at_s", "num_tokens", "chunk_index",
+                    "chunk_count", "loss_mask"]
+
+
+def unit_hash(key: str, salt: str) -> float:
+    """A uniform number in [0, 1) fixed by (salt, key)."""
+    digest = hashlib.sha256(f"{salt}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def heldout_score(request_id: str) -> float:
+    """Requests scoring below ``heldout_fraction`` are held out everywhere, in every retrain."""
+    return unit_hash(request_id, "tide-heldout")
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """What to select; built from ``TrainConfig`` by ``WindowSpec.from_config``."""
+
+    window_samples: int = 0
+    window_s: float = 0.0
+    replay_ratio: float = 0.25
+    heldout_fraction: float = 0.1
+    heldout_max_samples: int = 64
+    min_heldout_samples: int = 2
+    max_train_tokens: int = 0
+    max_seq_len: int = 512
+    seed: int = 0
+    target_model: str | None = None
+    until_s: float | None = None  # ignore requests captured at or after this
+
+    @classmethod
+    def from_config(cls, train_cfg, target_model: str | None = None,
+                    until_s: float | None = None) -> "WindowSpec":
+        return cls(window_samples=train_cfg.window_samples, window_s=train_cfg.window_s,
+                   replay_ratio=train_cfg.replay_ratio, heldout_fraction=train_cfg.heldout_fraction,
+                   heldout_max_samples=train_cfg.heldout_max_samples,
+                   min_heldout_samples=train_cfg.min_heldout_samples,
+                   max_train_tokens=train_cfg.max_train_tokens, max_seq_len=train_cfg.max_seq_len,
+                   seed=train_cfg.seed, target_model=target_model, until_s=until_s)
+
+
+@dataclass
+class RequestEntry:
+    """One captured request as the catalog sees it (no hidden states)."""
+
+    request_id: str
+    finished_at_s: float
+    tokens: int = 0
+    generated: int = 0
+    chunk_count: int = 1
+    chunks: set[int] = field(default_factory=set)
+    files: set[Path] = field(default_factory=set)
+
+
+@dataclass
+class WindowPlan:
+    """Chosen request ids by role, and the facts lineage records about them."""
+
+    recent: list[str]
+    replay: list[str]
+    heldout: list[str]
+    window_start_s: float | None
+    window_end_s: float | None
+    catalog_requests: int
+    window_requests: int
+    heldout_in_window: int
+    recent_tokens: int
+    replay_tokens: int
+    heldout_tokens: int
+    heldout_generated: int
+    files: dict[str, list[Path]] = field(default_factory=dict, repr=False)
+
+    @property
+    def train_ids(self) -> list[str]:
+        return self.recent + self.replay
+
+    def summary(self) -> dict:
+        """Flat facts for MLflow params and version tags."""
+        return {
+            "window_start_s": self.window_start_s, "window_end_s": self.window_end_s,
+            "catalog_requests": self.catalog_requests, "window_requests": self.window_requests,
+            "recent_requests": len(self.recent), "replay_requests": len(self.replay),
+            "heldout_requests": len(self.heldout), "heldout_in_window": self.heldout_in_window,
+            "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
+            "heldout_tokens": self.heldout_tokens, "heldout_generated_tokens": self.heldout_generated,
+        }
+
+
+def _list_sums(column) -> list[int]:
+    """Per-row sums of a list<uint8> column without building Python lists."""
+    arr = column.combine_chunks()
+    if len(arr) == 0:
+        return []
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False).astype(np.int64)
+    cumulative = np.concatenate(([0], np.cumsum(values)))
+    return (cumulative[offsets[1:]] - cumulative[offsets[:-1]]).tolist()
+
+
+def catalog(data_dir: Path, target_model: str | None = None, until_s: float | None = None
+            ) -> list[RequestEntry]:
+    """Complete requests of the dataset, oldest first (reads only small columns)."""
+    entries: dict[str, RequestEntry] = {}
+    for path in DatasetReader(data_dir).files(target_model=target_model):
+        try:
+            table = pq.read_table(path, columns=_CATALOG_COLUMNS)
+        except FileNotFoundError:  # removed by retention after it was listed
+            continue
+        columns = {name: table.column(name).to_pylist()
+                   for name in _CATALOG_COLUMNS if name != "loss_mask"}
+        generated = _list_sums(table.column("loss_mask"))
+        for i, rid in enumerate(columns["request_id"]):
+            if target_model is not None and columns["target_model_id"][i] != target_model:
+                continue
+            t = columns["finished_at_s"][i]
+            if until_s is not None and t >= until_s:
+                continue
+            entry = entries.setdefault(rid, RequestEntry(rid, t, chunk_count=columns["chunk_count"][i]))
+            chunk = columns["chunk_index"][i]
+            entry.files.add(path)
+            if chunk in entry.chunks:  # a duplicate delivery: count its tokens once
+                continue
+            entry.chunks.add(chunk)
+            entry.finished_at_s = max(entry.finished_at_s, t)
+            entry.tokens += columns["num_tokens"][i]
+            entry.generated += generated[i]
+    complete = [e for e in entries.values() if len(e.chunks) == e.chunk_count]
+    return sorted(complete, key=lambda e: (e.finished_at_s, e.request_id))
+
+
+def plan_window(data_dir: str | Path, spec: WindowSpec) -> WindowPlan:
+    """Choose recent, replay and held-out requests (steps in the module docstring)."""
+    entries = catalog(Path(data_dir), spec.target_model, spec.until_s)
+    if spec.window_samples > 0:
+        start = max(0, len(entries) - spec.window_samples)
+    elif spec.window_s > 0 and entries:
+        cutoff = entries[-1].finished_at_s - spec.window_s
+        start = next((i for i, e in enumerate(entries) if e.finished_at_s >= cutoff), len(entries))
+    else:
+        start = 0
+    older, window = entries[:start], entries[start:]
+    held = {e.request_id for e in window if heldout_score(e.request_id) < spec.heldout_fraction}
+    in_window = len(held)
+    if len(held) < spec.min_heldout_samples:
+        by_score = sorted((e for e in window if e.request_id not in held),
+                          key=lambda e: heldout_score(e.request_id))
+        # never hold out so much that fewer training requests than held-out ones remain
+        room = max(0, min(spec.min_heldout_samples - len(held), len(window) // 2 - len(held)))
+        held |= {e.request_id for e in by_score[:room]}
+    held_entries = [e for e in window if e.request_id in held]
+    evaluated = held_entries[-spec.heldout_max_samples:] if spec.heldout_max_samples > 0 else []
+
+    def cost(e: RequestEntry) -> int:
+        return min(e.tokens, spec.max_seq_len)
+
+    recent, recent_tokens = [], 0
+    for e in reversed(window):
+        if e.request_id in held:
+            continue
+        if spec.max_train_tokens and recent and recent_tokens + cost(e) > spec.max_train_tokens:
+            break
+        recent.append(e)
+        recent_tokens += cost(e)
+    recent.reverse()
+    pool = [e for e in older if heldout_score(e.request_id) >= spec.heldout_fraction]
+    n_replay = min(len(pool), int(math.floor(spec.replay_ratio * len(recent) + 0.5)))
+    replay = _replay_sample(pool, n_replay, spec.seed)
+    chosen = {"recent": recent, "replay": replay, "heldout": evaluated}
+    return WindowPlan(
+        recent=[e.request_id for e in recent], replay=[e.request_id for e in replay],
+        heldout=[e.request_id for e in evaluated],
+        window_start_s=window[0].finished_at_s if window else None,
+        window_end_s=window[-1].finished_at_s if window else None,
+        catalog_requests=len(entries), window_requests=len(window), heldout_in_window=in_window,
+        recent_tokens=recent_tokens, replay_tokens=sum(cost(e) for e in replay),
+        heldout_tokens=sum(cost(e) for e in evaluated),
+        heldout_generated=sum(e.generated for e in evaluated),
+        files={role: sorted({p for e in group for p in e.files}) for role, group in chosen.items()})
+
+
+def _replay_sample(pool: list[RequestEntry], n: int, seed: int) -> list[RequestEntry]:
+    """``n`` older requests by a seeded hash, drawn file by file (files in hash order, at most
+    a quarter of ``n`` from each) so that loading them reads a few files, not all of the past."""
+    salt = f"tide-replay-{seed}"
+    by_file: dict[str, list[RequestEntry]] = {}
+    for e in pool:
+        by_file.setdefault(min(p.name for p in e.files), []).append(e)
+    per_file = max(1, math.ceil(n / 4))
+    chosen: list[RequestEntry] = []
+    for name in sorted(by_file, key=lambda f: unit_hash(f, salt)):
+        if len(chosen) >= n:
+            break
+        ranked = sorted(by_file[name], key=lambda e: unit_hash(e.request_id, salt))
+        chosen += ranked[:min(per_file, n - len(chosen))]
+    if len(chosen) < n:  # few files: fill from what is left, still in hash order
+        taken = {e.request_id for e in chosen}
+        rest = sorted((e for e in pool if e.request_id not in taken), key=lambda e: unit_hash(e.request_id, salt))
+        chosen += rest[:n - len(chosen)]
+    return sorted(chosen, key=lambda e: (e.finished_at_s, e.request_id))
+
+
+def to_trainer_sample(sample: DatasetSample, all_positions: bool, max_seq_len: int) -> Sample:
+    """A dataset sample as the trainer takes it: bfloat16 states (as stored), truncated.
+
+    ``all_positions`` trains on prompt positions too (loss mask of ones); evaluation keeps the
+    captured mask (generated positions only: where a drafter is actually used).
+    """
+    n = min(int(sample.token_ids.numel()), max_seq_len)
+    mask = torch.ones(n) if all_positions else sample.loss_mask[:n].float()
+    return Sample(tokens=sample.token_ids[:n].clone(), loss_mask=mask,
+                  aux=sample.aux_hidden[:n].to(torch.bfloat16),
+                  final=sample.final_hidden[:n].to(torch.bfloat16))
+
+
+def stream_requests(data_dir: str | Path, plan: WindowPlan, ids: set[str]):
+    """Yield the dataset samples of ``ids``, reading only the files that hold them."""
+    files = sorted({p for group in plan.files.values() for p in group})
+    reader = DatasetReader(data_dir)
+    for sample in reader.samples(files=files):
+        if sample.request_id in ids:
+            yield sample
+
+
+@dataclass
+class WindowData:
+    train: list[Sample]
+    heldout: list[Sample]
+    train_tokens: int
+    heldout_tokens: int
+    missing: int  # planned requests that could not be read (e.g. deleted by retention meanwhile)
+
+
+def load_window(data_dir: str | Path, plan: WindowPlan, train_on_prompt: bool, max_seq_len: int
+                ) -> WindowData:
+    """Materialise the plan's samples (train = recent + replay, in plan order; held-out)."""
+    train_ids, held_ids = set(plan.train_ids), set(plan.heldout)
+    found: dict[str, Sample] = {}
+    for sample in stream_requests(data_dir, plan, train_ids | held_ids):
+        if sample.request_id in found:
+            continue
+        held = sample.request_id in held_ids
+        found[sample.request_id] = to_trainer_sample(sample, train_on_prompt and not held, max_seq_len)
+    train = [found[r] for r in plan.train_ids if r in found]
+    heldout = [found[r] for r in plan.heldout if r in found]
+    return WindowData(train=train, heldout=heldout, train_tokens=sum(len(s) for s in train),
+                      heldout_tokens=sum(len(s) for s in heldout),
+                      missing=len(train_ids | held_ids) - len(found))
