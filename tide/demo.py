@@ -66,6 +66,7 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
                      "cooldown_s": 60, "backoff_base_s": 10},
         "train": {"max_train_tokens": settings.retrain_max_train_tokens},
         "ops": {"auto_promote": True, "poll_interval_s": 3, "guard_window_forwards": 100},
+        "ingest": {"roll_interval_s": 10},
     }
     stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides))
     _say("starting broker, MLflow, engine, ingest, scheduler ...")

@@ -33,11 +33,12 @@ def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_token
            on_done: Callable[[TrafficResult], None] | None = None, timeout_s: float = 600.0) -> TrafficResult:
     result = result or TrafficResult()
     client = httpx.Client(base_url=base_url, timeout=timeout_s)
+    model = client.get("/health").json().get("target_model", "")
 
     def one(p: Prompt) -> None:
         if until():
             return
-        body = {"model": "tide", "messages": p.chat_messages(), "max_tokens": max_tokens,
+        body = {"model": model, "messages": p.chat_messages(), "max_tokens": max_tokens,
                 "temperature": 0, "workload": p.workload}
         try:
             resp = client.post("/v1/chat/completions", json=body)

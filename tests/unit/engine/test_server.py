@@ -393,7 +393,7 @@ def test_concurrent_streams_all_complete_and_loop_stays_responsive(url: str, fak
         results = [f.result(timeout=60) for f in futures]
     assert results == [(text_of(fake, 24), "length")] * 8
     # each stream sleeps ~240 ms in blocking engine calls; a blocked event loop would show here
-    assert health_s < 0.5, health_s
+    assert health_s < 1.5, health_s  # a loop blocked by 8 streams would take ~1.9 s; CI shares 2 cores
 
 
 def test_client_disconnect_cancels_engine_request(url: str, fake: FakeEngine) -> None:
