@@ -107,8 +107,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import signal
+
     from tide.demo import DemoSettings, run_demo
 
+    def interrupt(*_):  # SIGTERM unwinds like Ctrl-C so every started service is stopped
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     cfg = _config(args)
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     report = Path(args.report) if args.report else cfg.home_path / "reports" / time.strftime("demo-%Y%m%d-%H%M%S")
@@ -119,6 +125,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(prog="tide", description=__doc__)
     parser.add_argument("--config", help="YAML config file (defaults are embedded)")
     parser.add_argument("--home", help="data/cache folder (default $TIDE_HOME or ~/.cache/tide)")

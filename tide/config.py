@@ -177,7 +177,9 @@ class TrainConfig:
     # default replay ratio a retrain sees ~50k tokens: ~10 CPU minutes (bench/retrain.py)
     max_train_tokens: int = 40_000
     max_train_s: float = 900.0  # training stops here; the drafter so far is evaluated
-    train_on_prompt: bool = False  # prompt positions train too (their teacher is the target's own)
+    # True: prompt positions carry loss too (their teacher is the target's own distribution);
+    # False: only generated ones, as in SpecForge's offline data. Evaluation is always generated-only.
+    train_on_prompt: bool = False
     # loss weights (tide/train/objective.py): SpecForge's soft cross-entropy, and optional
     # EAGLE-1-style feature regression; train_head=False freezes the lm_head (target-initialised)
     ce_weight: float = 1.0
@@ -357,8 +359,10 @@ def _env_overlay(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         parts = key[len("TIDE_"):].lower().split("__")
         if len(parts) == 1:
-            out[parts[0]] = value
-        elif len(parts) == 2:
+            # plain TIDE_* names are process markers (e.g. the scheduler's TIDE_RETRAIN_JOB_ID),
+            # not configuration: only TIDE_<SECTION>__<FIELD> configures
+            continue
+        if len(parts) == 2:
             out.setdefault(parts[0], {})[parts[1]] = value
         else:
             raise ConfigError(f"environment variable {key}: expected TIDE_<SECTION>__<FIELD>")
@@ -394,6 +398,6 @@ def config_as_dict(cfg: Any) -> dict[str, Any]:
     for section in data.values():
         if isinstance(section, dict):
             for key in section:
-                if "token" in key or "password" in key or "secret" in key:
+                if key.endswith("_token") or "password" in key or "secret" in key:
                     section[key] = "***" if section[key] else ""
     return data

@@ -108,7 +108,8 @@ class Stack:
                                         "--port", str(port), "--workers", "1",
                                         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
                                         "--artifacts-destination", str(root / "artifacts")],
-                             logs / "mlflow.log", health_url=f"http://127.0.0.1:{port}/health")
+                             logs / "mlflow.log", env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                             health_url=f"http://127.0.0.1:{port}/health")
         self._run(svc, timeout_s=180)
         return f"http://127.0.0.1:{port}"
 

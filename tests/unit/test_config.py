@@ -43,3 +43,8 @@ def test_secrets_redacted_in_logged_config():
     cfg = load_config(env={"TIDE_SERVER__CONTROL_TOKEN": "s3cret"})
     assert cfg.server.control_token == "s3cret"
     assert "s3cret" not in str(config_as_dict(cfg))
+
+
+def test_plain_tide_env_markers_are_not_config():
+    cfg = load_config(env={"TIDE_RETRAIN_JOB_ID": "x", "TIDE_RETRAIN_STATE_PATH": "/tmp/s", "TIDE_SPEC__DRAFT_LEN": "2"})
+    assert cfg.spec.draft_len == 2
