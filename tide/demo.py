@@ -43,7 +43,7 @@ class DemoSettings:
     def quick(cls) -> "DemoSettings":
         return cls(before_requests=12, shift_max_requests=240, after_requests=12, concurrency=6,
                    max_tokens=48, retrain_min_tokens=6_000, retrain_max_train_tokens=8_000,
-                   compare_prompts=4, compare_max_tokens=40, budget_s=7 * 60)
+                   compare_prompts=4, compare_max_tokens=40, budget_s=11 * 60)
 
 
 def _say(msg: str) -> None:
@@ -100,12 +100,29 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
             if res.sent % 10 == 0:
                 _say(f"  {res.sent} requests, {res.failed} failed, drafter {version}")
 
+        sched_metrics = stack.endpoints["scheduler metrics"]
+
+        def retrains_finished() -> float:
+            try:
+                text = httpx.get(sched_metrics, timeout=5).text
+            except httpx.HTTPError:
+                return 0.0
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("tide_scheduler_retrains_finished_total{"))
+
         def done() -> bool:
-            return (state["served_after"] >= settings.after_requests
-                    or time.monotonic() - t_start > settings.budget_s)
+            if state["served_after"] >= settings.after_requests or time.monotonic() - t_start > settings.budget_s:
+                return True
+            # a retrain finished but its challenger was not promoted: nothing more to show live
+            if state["version"] == static_version and retrains_finished() >= 1:
+                state.setdefault("finished_at", time.monotonic())
+                return time.monotonic() - state["finished_at"] > 30
+            return False
 
         r2 = replay(url, after_prompts, settings.concurrency, settings.max_tokens, until=done, on_done=watch)
         summary["traffic"] = {"before": _traffic(r1), "after": _traffic(r2)}
+        summary["retrains_finished"] = retrains_finished()
+        summary["registry_versions"] = _versions(stack)
         summary["retrain_s_after_shift"] = swaps[0][0] - (t_shift - sampler.t0) if swaps else None
     finally:
         sampler.stop()
@@ -122,6 +139,19 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     write_summary(report_dir / "summary.json", summary)
     _say(f"report: {report_dir}/summary.json, {report_dir}/acceptance.png")
     return summary
+
+
+def _versions(stack: Stack) -> list[dict]:
+    """Registered drafter versions with aliases and held-out metrics (what the retrains produced)."""
+    from tide.config import load_config
+    from tide.registry import Registry
+
+    cfg = load_config(stack.config_path, env={})
+    try:
+        return [{"version": v.version, "aliases": v.aliases, "kind": v.kind, "tags": dict(v.tags)}
+                for v in Registry.from_config(cfg).list_versions(with_run=False)]
+    except Exception as exc:  # reported, not fatal: the report still gets written
+        return [{"error": str(exc)}]
 
 
 def _traffic(r: TrafficResult) -> dict:
