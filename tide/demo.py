@@ -127,7 +127,8 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     finally:
         sampler.stop()
         adapted = _champion(url) if stack.services else static_version
-        adapted_folder = _download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
+        adapted_folder = (_download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
+                          if adapted != static_version else None)  # no swap happened: nothing adapted to compare
         stack.stop()
     summary["swaps"] = swaps
     summary["adapted_version"] = adapted
