@@ -19,6 +19,17 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pid_alive(pid: int) -> bool:
+    """Signal 0: does ``pid`` exist (PermissionError means it does, owned by someone else)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -142,14 +142,7 @@ def code_version() -> str:
         return "unknown"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from tide.process import pid_alive as _pid_alive  # noqa: E402
 
 
 class RetrainRun:

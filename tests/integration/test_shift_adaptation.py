@@ -86,10 +86,10 @@ def test_code_traffic_after_sharegpt_adapts_the_drafter(real, tmp_path):
     run_cfg = load_config(overrides={
         "home": str(home),
         "model": {"target": str(folder), "torch_threads": 1},
+        # the data selection is the test's; the optimisation is TIDE's defaults (what the demo runs)
         "train": {"window_samples": N_CODE, "window_s": 0, "replay_ratio": 0.25, "heldout_fraction": 0.25,
-                  "min_samples": 16, "epochs": 2, "lr": 1e-3, "batch_tokens": 1024,
-                  "max_seq_len": MAX_PROMPT_TOKENS + MAX_NEW_TOKENS, "max_train_tokens": 0,
-                  "max_train_s": 240},
+                  "min_samples": 16, "max_seq_len": MAX_PROMPT_TOKENS + MAX_NEW_TOKENS,
+                  "max_train_tokens": 0, "max_train_s": 240},
     })
     plan = plan_for(run_cfg)
     assert plan.heldout and all(r.startswith("code-") for r in plan.heldout + plan.recent)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from tide.process import pid_alive
 from tide.schedule.launcher import ENV_JOB_ID, ENV_STATE_PATH, JobSpec, Outcome, outcome_from_exit
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,7 @@ def process_start_ticks(pid: int) -> int | None:
 def process_alive(pid: int, start_ticks: int | None = None) -> bool:
     """True if ``pid`` runs and (when given) is the same process that started at ``start_ticks``."""
     if not _PROC.is_dir():  # no procfs: fall back to signal 0 (cannot see zombies or pid reuse)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(pid)
     stat = _proc_stat(pid)
     if stat is None or stat[0] in ("Z", "X"):
         return False

@@ -81,14 +81,7 @@ def _reap_work_dirs(root: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from tide.process import pid_alive as _alive  # noqa: E402
 
 
 def _resolve_parent(cfg, registry: Registry) -> tuple[str, Path, float | None]:
