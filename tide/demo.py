@@ -190,7 +190,7 @@ def _comparison(home: Path, adapted_folder: Path | None, before: str, after: str
     from tide.config import load_config
     from tide.drafter.artifact import TargetSpec, load_drafter
     from tide.drafter.static import static_drafter_path
-    from tide.engine.reference import load_target
+    from tide.models.target import load_target
     from tide.train.offline import render_prompt
 
     cfg = load_config(overrides={"home": str(home)})

@@ -108,7 +108,7 @@ def _eval_metrics(prefix: str, ev) -> dict[str, float]:
 def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = None,
                 progress: bool = False) -> RetrainResult:
     """One retrain (steps in the module docstring)."""
-    from tide.engine.reference import load_target  # target loading only; no engine is built
+    from tide.models.target import load_target  # target loading only; no engine is built
     from tide.train.trainer import evaluate, train
 
     t_start = time.monotonic()

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from tide.drafter.artifact import save_drafter
 from tide.drafter.static import cached_static_path
-from tide.engine.reference import eos_ids_of, load_target
+from tide.models.target import eos_ids_of, load_target
 from tide.train.offline import corpus_counts, generate_samples, new_drafter, render_prompt
 from tide.train.trainer import Sample, evaluate, train
 
