@@ -60,3 +60,32 @@ def test_position_past_cache_is_refused(pair):
     _, ours = pair
     with pytest.raises(ValueError, match="exceeds cache length"):
         ours.forward(torch.zeros(1, 4, dtype=torch.long), torch.tensor([30]), ours.new_cache(1, 32), torch.tensor([0]))
+
+
+def test_prepacked_projections_match_plain_linear():
+    """oneDNN prepacked weights (M>1) and MKL gemv (M=1) both compute x @ W.T."""
+    from tide.models.llama import Linears
+
+    g = torch.Generator().manual_seed(3)
+    w = {"a": torch.randn(96, 64, generator=g), "b": torch.randn(64, 96, generator=g)}
+    packed, plain = Linears(w, ["a", "b"], packed=True), Linears(w, ["a", "b"], packed=False)
+    assert not plain.packed
+    if torch.backends.mkldnn.is_available():
+        assert set(packed.packed) == {"a", "b"}
+    for rows in (1, 5, 40):
+        x = torch.randn(2, rows, 64, generator=g)
+        y = packed(x, "a")
+        assert y.shape == (2, rows, 96)
+        assert torch.allclose(y, torch.nn.functional.linear(x, w["a"]), atol=1e-4)
+        assert torch.allclose(packed(y, "b"), plain(y, "b"), atol=1e-3)
+
+
+def test_packed_and_plain_targets_agree(pair):
+    _, ours = pair
+    plain = LlamaTarget(ours.shape, {k: v for k, v in ours.w.items() if k.endswith("weight")},
+                        ours.aux_layer_ids, max_seq_len=128, packed=False)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(5))
+    a = ours.forward(ids, torch.tensor([0, 0]), ours.new_cache(2), torch.tensor([0, 1]))
+    b = plain.forward(ids, torch.tensor([0, 0]), plain.new_cache(2), torch.tensor([0, 1]))
+    assert torch.allclose(a.logits, b.logits, atol=1e-4)
+    assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
