@@ -31,6 +31,7 @@ class Batch:
     final: torch.Tensor  # [B, T, H]
     loss_mask: torch.Tensor  # [B, T] float (0 on padding too)
     in_vocab: torch.Tensor  # [B, T] bool: the target's argmax at t is in the draft vocab
+    target_top: torch.Tensor | None = None  # [B, T] int64: the target's argmax at t (full vocab)
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,15 +47,13 @@ def teacher_logits(final: torch.Tensor, lm_head_weight: torch.Tensor, draft_ids:
     return F.linear(final.float(), lm_head_weight[draft_ids].float())
 
 
-def target_in_vocab(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
-                    chunk_tokens: int = 1024) -> torch.Tensor:
-    """[T] bool: whether the target's argmax token at each position has a draft id (full-vocab argmax)."""
+def target_top_tokens(final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
+    """[T] int64: the target's argmax token at each position (one full-vocab projection, chunked)."""
     out = []
     with torch.no_grad():
         for start in range(0, final.shape[0], chunk_tokens):
-            top = F.linear(final[start:start + chunk_tokens].float(), lm_head_weight.float()).argmax(-1)
-            out.append(t2d[top])
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
+            out.append(F.linear(final[start:start + chunk_tokens].float(), lm_head_weight.float()).argmax(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def _ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -154,7 +153,10 @@ def simulated_acceptance(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_we
     per_pos = []
     for step, logits, mask, final in unroll(drafter, embed, batch, gamma):
         pred = drafter.draft_to_target[logits.argmax(-1)]
-        target_top = F.linear(final.float(), lm_head_weight.float()).argmax(-1)
+        if batch.target_top is not None:  # precomputed once per sample: the full-vocab head is the cost
+            target_top = shift_left(batch.target_top, 1 + step)
+        else:
+            target_top = F.linear(final.float(), lm_head_weight.float()).argmax(-1)
         ok = (pred == target_top) & (shift_left(batch.loss_mask, 1 + step) > 0)
         if chain is None:
             base_mask = shift_left(batch.loss_mask, 1) > 0

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from tide.drafter.model import Eagle3Drafter
-from tide.train.objective import Batch, eagle3_loss, simulated_acceptance, target_in_vocab
+from tide.train.objective import Batch, eagle3_loss, simulated_acceptance, target_top_tokens
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Sample:
     aux: torch.Tensor  # [T, 3H] (bf16 or fp32)
     final: torch.Tensor  # [T, H]
     in_vocab: torch.Tensor | None = None  # filled by the trainer
+    target_top: torch.Tensor | None = None  # [T] the target's argmax (filled by the trainer)
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -82,6 +83,7 @@ def collate(samples: list[Sample], max_len: int) -> Batch:
     final = torch.zeros(b, t, h)
     mask = torch.zeros(b, t)
     in_vocab = torch.zeros(b, t, dtype=torch.bool)
+    top = torch.zeros(b, t, dtype=torch.long)
     for i, s in enumerate(samples):
         n = min(len(s), t)
         tokens[i, :n] = s.tokens[:n]
@@ -89,13 +91,16 @@ def collate(samples: list[Sample], max_len: int) -> Batch:
         final[i, :n] = s.final[:n].float()
         mask[i, :n] = s.loss_mask[:n].float()
         in_vocab[i, :n] = s.in_vocab[:n]
-    return Batch(tokens=tokens, aux=aux, final=final, loss_mask=mask, in_vocab=in_vocab)
+        top[i, :n] = s.target_top[:n]
+    return Batch(tokens=tokens, aux=aux, final=final, loss_mask=mask, in_vocab=in_vocab, target_top=top)
 
 
 def prepare(samples: list[Sample], drafter: Eagle3Drafter, lm_head: torch.Tensor) -> None:
     for s in samples:
-        if s.in_vocab is None:
-            s.in_vocab = target_in_vocab(s.final, lm_head, drafter.t2d)
+        if s.target_top is None:
+            s.target_top = target_top_tokens(s.final, lm_head)
+        # recomputed every time: cheap, and the vocab mapping is the drafter's
+        s.in_vocab = drafter.t2d[s.target_top]
 
 
 def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample], *,
@@ -133,12 +138,12 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
                 sched.step()
                 result.steps += 1
                 result.tokens_seen += int(batch.loss_mask.sum())
-                result.loss_curve.append(float(loss))
+                result.loss_curve.append(float(loss.detach()))
                 result.step0_acc_curve.append(accs[0])
-                bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.2f}")
+                bar.set_postfix(loss=f"{result.loss_curve[-1]:.3f}", acc0=f"{accs[0]:.2f}")
                 bar.update(1)
                 if on_step:
-                    on_step(result.steps, float(loss))
+                    on_step(result.steps, result.loss_curve[-1])
                 if max_wall_s is not None and time.monotonic() - start > max_wall_s:
                     return result
     finally:
@@ -151,16 +156,18 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
 
 @torch.no_grad()
 def evaluate(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
-             gamma: int, ttt_length: int = 7, step_weight: float = 0.8, max_len: int = 1024,
+             gamma: int, ttt_length: int | None = None, step_weight: float = 0.8, max_len: int = 1024,
              batch_tokens: int = 4096) -> EvalResult:
-    """Simulated greedy acceptance length and loss on held-out samples (weighted by positions)."""
+    """Simulated greedy acceptance length and loss on held-out samples (weighted by positions).
+
+    The loss unrolls ``ttt_length`` steps (default: ``gamma``, the steps acceptance counts)."""
     drafter.eval()
     prepare(samples, drafter, lm_head)
     n_total, acc_sum, rate_sums, loss_sum, loss_batches = 0, 0.0, [0.0] * gamma, 0.0, 0
     for group in make_batches(samples, batch_tokens, max_len):
         batch = collate(group, max_len)
         acc, rates, n = simulated_acceptance(drafter, embed, lm_head, batch, gamma)
-        loss, _, _ = eagle3_loss(drafter, embed, lm_head, batch, ttt_length, step_weight)
+        loss, _, _ = eagle3_loss(drafter, embed, lm_head, batch, ttt_length or gamma, step_weight)
         n_total += n
         acc_sum += (acc - 1.0) * n
         rate_sums = [r_sum + r * n for r_sum, r in zip(rate_sums, rates)]
