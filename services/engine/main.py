@@ -8,13 +8,10 @@ SIGTERM/SIGINT → drain HTTP, stop the follower, close the engine.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import signal
 import sys
-import threading
 
-from tide.config import ConfigError, config_as_dict, load_config
+from tide import service
 
 log = logging.getLogger("tide.services.engine")
 
@@ -30,24 +27,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    try:
-        cfg = load_config(args.config, overrides={"server": server_overrides} if server_overrides else None)
-    except (ConfigError, OSError) as exc:
-        log.error("bad configuration: %s", exc)
+    started = service.start("engine", args.config, {"server": {"host": args.host, "port": args.port}},
+                            args.log_level)
+    if started is None:
         return 2
-    log.info("resolved config: %s", json.dumps(config_as_dict(cfg), sort_keys=True, default=str))
-
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s: shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    cfg, stop = started
 
     # imported here so --help and config errors answer without loading torch and the model
     from tide.engine.reference import build_engine

@@ -8,13 +8,10 @@ files, leave the group.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import signal
 import sys
-import threading
 
-from tide.config import ConfigError, config_as_dict, load_config
+from tide import service
 
 log = logging.getLogger("tide.services.ingest")
 
@@ -30,25 +27,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in (("bootstrap_servers", args.bootstrap_servers),
-                                   ("data_dir", args.data_dir)) if v is not None}
-    try:
-        cfg = load_config(args.config, overrides={"ingest": overrides} if overrides else None)
-    except (ConfigError, OSError) as exc:
-        log.error("bad configuration: %s", exc)
+    started = service.start("ingest", args.config, {"ingest": {"bootstrap_servers": args.bootstrap_servers,
+                                                               "data_dir": args.data_dir}}, args.log_level)
+    if started is None:
         return 2
-    log.info("resolved config: %s", json.dumps(config_as_dict(cfg), sort_keys=True, default=str))
-
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s: shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    cfg, stop = started
 
     from prometheus_client import start_http_server
 

@@ -14,13 +14,10 @@ the same way by name.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import signal
 import sys
-import threading
 
-from tide.config import ConfigError, config_as_dict, load_config
+from tide import service
 
 log = logging.getLogger("tide.services.scheduler")
 
@@ -36,25 +33,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(args.config, overrides={"ingest": {"data_dir": args.data_dir}}
-                          if args.data_dir else None)
-    except (ConfigError, OSError) as exc:
-        log.error("bad configuration: %s", exc)
+    started = service.start("scheduler", args.config, {"ingest": {"data_dir": args.data_dir}}, args.log_level,
+                            stop_note="stopping the scheduler (running retrains keep running)")
+    if started is None:
         return 2
-    log.info("resolved config: %s", json.dumps(config_as_dict(cfg), sort_keys=True, default=str))
-
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s: stopping the scheduler (running retrains keep running)",
-                 signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    cfg, stop = started
 
     from tide.dataset.index import DatasetIndex
     from tide.schedule import RetrainScheduler, StateStore, build_launcher, default_state_path
