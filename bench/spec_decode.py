@@ -32,13 +32,13 @@ from tide.train.offline import render_prompt  # noqa: E402
 from tide import workloads  # noqa: E402
 
 
-def timed_generate(target, drafter, ids, n, gamma):
+def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0):
     t0 = time.perf_counter()
-    out, stats = generate(target, drafter, ids, n, gamma=gamma)
+    out, stats = generate(target, drafter, ids, n, gamma=gamma, stop_prob=stop_prob)
     return out, stats, time.perf_counter() - t0
 
 
-def single_stream(target, drafter, prompts, n, gamma):
+def single_stream(target, drafter, prompts, n, gamma, stop_prob=0.0):
     """Per prompt: prefill time is measured separately (a 1-token run) and subtracted."""
     res = {"target": {"tokens": 0, "s": 0.0}, "spec": {"tokens": 0, "s": 0.0}}
     accept_lengths, pos_accepts, forwards, identical = [], [0] * gamma, 0, 0
@@ -47,7 +47,7 @@ def single_stream(target, drafter, prompts, n, gamma):
         order = [("target", None), ("spec", drafter)]
         outs = {}
         for name, d in (order if i % 2 == 0 else order[::-1]):
-            out, stats, s = timed_generate(target, d, ids, n, gamma)
+            out, stats, s = timed_generate(target, d, ids, n, gamma, stop_prob)
             outs[name] = out
             res[name]["tokens"] += len(out) - 1
             res[name]["s"] += max(1e-6, s - prefill_s)
@@ -81,6 +81,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default: config spec.draft_len)")
+    ap.add_argument("--stop-prob", type=float, default=None,
+                    help="stop drafting below this draft probability (default: config spec.draft_stop_prob)")
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the static drafter)")
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--batch", type=int, default=0, help="also compare through the engine at this batch size")
@@ -89,27 +91,29 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(overrides={"model": {"torch_threads": args.threads}})
     gamma = args.gamma or cfg.spec.draft_len
+    stop_prob = cfg.spec.draft_stop_prob if args.stop_prob is None else args.stop_prob
     target, tok, _ = load_target(cfg)
     path = Path(args.drafter) if args.drafter else static_drafter_path(cfg)
     drafter = load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids))
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
-    res, accept_lengths, pos_rates, identical = single_stream(target, drafter, prompts, args.max_new_tokens, gamma)
+    res, accept_lengths, pos_rates, identical = single_stream(target, drafter, prompts, args.max_new_tokens, gamma, stop_prob)
     tps = {k: v["tokens"] / v["s"] for k, v in res.items()}
     summary = {
-        "workload": args.workload, "prompts": len(prompts), "gamma": gamma, "drafter": str(path),
+        "workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob, "drafter": str(path),
         "tokens_per_forward": statistics.mean(accept_lengths) if accept_lengths else 1.0,
         "position_acceptance": pos_rates, "target_tok_s": tps["target"], "spec_tok_s": tps["spec"],
         "speedup": tps["spec"] / tps["target"], "identical_outputs": identical,
     }
-    rows = [("metric", "value"), ("prompts (held-out)", len(prompts)), ("draft length", gamma),
+    rows = [("metric", "value"), ("prompts (held-out)", len(prompts)), ("draft length (max)", gamma),
+            ("draft stop probability", stop_prob),
             ("tokens per target forward", f"{summary['tokens_per_forward']:.3f}"),
             ("acceptance by draft position", " ".join(f"{r:.2f}" for r in pos_rates)),
             ("target-only decode tok/s", f"{tps['target']:.2f}"), ("speculative decode tok/s", f"{tps['spec']:.2f}"),
             ("speedup (spec / target-only)", f"{summary['speedup']:.3f}x"),
             ("greedy outputs identical", f"{identical}/{len(prompts)}")]
     if args.batch:
-        common = dict(target_model_id=cfg.model.model_id, draft_len=gamma, max_seq_len=cfg.model.max_seq_len, eos_ids=())
+        common = dict(target_model_id=cfg.model.model_id, draft_len=gamma, draft_stop_prob=stop_prob, max_seq_len=cfg.model.max_seq_len, eos_ids=())
         plain = batched(((target, tok, None, "none"), common), prompts, args.max_new_tokens, args.batch)
         spec = batched(((target, tok, drafter, "static"), common), prompts, args.max_new_tokens, args.batch)
         summary.update(batch=args.batch, batched_target_tok_s=plain, batched_spec_tok_s=spec, batched_speedup=spec / plain)

@@ -52,13 +52,15 @@ class ReferenceEngine:
     """Implements tide.engine.base.Engine with LlamaTarget + Eagle3Drafter."""
 
     def __init__(self, target: LlamaTarget, tokenizer, drafter: Eagle3Drafter | None, drafter_version: str,
-                 *, target_model_id: str, draft_len: int = 4, max_batch_size: int = 8,
+                 *, target_model_id: str, draft_len: int = 4, draft_stop_prob: float = 0.0,
+                 max_batch_size: int = 8,
                  max_seq_len: int = 1024, eos_ids: tuple[int, ...] = ()):
         self.target = target
         self.tokenizer = tokenizer
         self.target_model_id = target_model_id
         self.max_seq_len = max_seq_len
         self.draft_len = draft_len
+        self.draft_stop_prob = draft_stop_prob
         self.max_batch_size = max_batch_size
         self.eos_ids = tuple(eos_ids)
         self._drafter = drafter
@@ -249,7 +251,7 @@ class ReferenceEngine:
         if self._drafter is not None and gamma > 0:
             try:
                 results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
-                                                  rows, gamma)
+                                                  rows, gamma, self.draft_stop_prob)
             except Exception:
                 log.exception("drafter step failed; this step runs target-only")
                 metrics.ENGINE_DRAFTER_FAILURES.inc()
@@ -283,7 +285,7 @@ class ReferenceEngine:
         for res in results:
             metrics.ENGINE_ACCEPT_LENGTH.labels(version).observe(len(res.committed))
         if stats is not None:
-            metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(stats.gamma * n_rows)
+            metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(sum(stats.drafted))
             metrics.ENGINE_ACCEPTED_TOKENS.labels(version).inc(sum(stats.accepted))
 
     def _capture(self, caps: list[StepCapture], r: _Running) -> None:
@@ -358,5 +360,6 @@ def build_engine(cfg) -> ReferenceEngine:
         version = json.loads((path / "tide.json").read_text()).get("version", path.name) \
             if (path / "tide.json").exists() else path.name
     return ReferenceEngine(target, tokenizer, drafter, version, target_model_id=cfg.model.model_id,
-                           draft_len=cfg.spec.draft_len, max_batch_size=cfg.engine.max_batch_size,
+                           draft_len=cfg.spec.draft_len, draft_stop_prob=cfg.spec.draft_stop_prob,
+                           max_batch_size=cfg.engine.max_batch_size,
                            max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder))

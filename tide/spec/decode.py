@@ -7,8 +7,12 @@ paired with the token that followed it (the last pairing is with ``pending``).
 
 One step (``speculative_step``):
 1. draft: the drafter consumes the feed (writing its KV cache with target features) and its last
-   output proposes d1; then ``gamma-1`` more cached steps on its own hidden stream propose d2..dγ;
-2. verify: one target forward over ``[pending, d1..dγ]`` at positions ``t_len..t_len+γ``;
+   output proposes d1; then up to ``gamma-1`` more cached steps on its own hidden stream propose
+   d2..dγ. With ``stop_prob`` > 0 a row stops drafting after a token whose draft probability is
+   below it (the drafter knows when it is guessing); the step stops when every row has stopped;
+2. verify: one target forward over ``[pending, d1..dk]`` at positions ``t_len..t_len+k`` (k = the
+   longest row's draft; a shorter row's tail is padding that is never accepted). On CPU a verify
+   costs more per token fed, so not feeding drafts that would be rejected is most of the point;
 3. accept: greedy rows keep the longest prefix equal to the target's argmax, then the target's
    token; sampling rows use rejection sampling (accept d with prob min(1, p/q), else resample
    from norm(max(p - q, 0))), which leaves the output distributed exactly as the target's;
@@ -55,6 +59,7 @@ class StepStats:
     gamma: int
     accepted: list[int] = field(default_factory=list)  # per row
     position_accepts: list[int] = field(default_factory=list)  # [gamma]: rows accepting draft i
+    drafted: list[int] = field(default_factory=list)  # per row: tokens drafted (<= gamma)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -74,8 +79,13 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
 
 
 def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: list[RowInput],
-          gamma: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Propose ``gamma`` target-vocab tokens per row. Returns ([B, γ] ids, per-row q probs [γ, V] or None)."""
+          gamma: int, stop_prob: float = 0.0) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
+    """Propose up to ``gamma`` target-vocab tokens per row.
+
+    Returns ([B, k] ids, per-row q probs [k, V] or None, per-row draft lengths); k <= γ is the
+    longest row's length. A row stops after a draft whose probability is below ``stop_prob``
+    (at the row's temperature, 1 for greedy rows); every row drafts at least one token.
+    """
     bsz = len(rows)
     m = max(r.feed_tokens.numel() for r in rows)
     tokens = torch.zeros(bsz, m, dtype=torch.long)
@@ -95,6 +105,8 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
     vocab = embed.shape[0]
     out_tokens = torch.zeros(bsz, gamma, dtype=torch.long)
     q_probs: list[list[torch.Tensor]] = [[] for _ in rows]
+    lengths = [0] * bsz
+    active = [True] * bsz
     with torch.inference_mode():
         hidden = drafter.project(aux)
         h = drafter.step(F.embedding(tokens, embed), hidden, cache, slots, positions, first)
@@ -103,19 +115,29 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
         for i in range(gamma):
             logits = drafter.logits(h)[:, 0].float()  # [B, draft_vocab]
             for b, r in enumerate(rows):
+                if not active[b]:
+                    out_tokens[b, i] = out_tokens[b, i - 1]  # padding: verified, never accepted
+                    continue
                 if r.temperature > 0:
                     q = torch.softmax(logits[b] / r.temperature, dim=-1)
                     d = int(torch.multinomial(q, 1, generator=r.generator))
                     full = torch.zeros(vocab)
                     full[d2t_ids] = q
                     q_probs[b].append(full)
-                    out_tokens[b, i] = d2t_ids[d]
+                    confidence = float(q[d])
                 else:
-                    out_tokens[b, i] = d2t_ids[int(logits[b].argmax())]
-            if i + 1 < gamma:
+                    d = int(logits[b].argmax())
+                    confidence = float(torch.softmax(logits[b], dim=-1)[d]) if stop_prob > 0 else 1.0
+                out_tokens[b, i] = d2t_ids[d]
+                lengths[b] = i + 1
+                active[b] = confidence >= stop_prob
+            if i + 1 < gamma and any(active):
                 pos = pos + 1
                 h = drafter.step(F.embedding(out_tokens[:, i:i + 1], embed), h, cache, slots, pos, first)
-    return out_tokens, [torch.stack(q) if q else None for q in q_probs]
+            elif i + 1 < gamma:
+                break
+    k = max(lengths)
+    return out_tokens[:, :k], [torch.stack(q) if q else None for q in q_probs], lengths
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -152,16 +174,19 @@ def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_toke
 
 
 def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: KVCache,
-                     drafter_cache: KVCache, rows: list[RowInput], gamma: int) -> tuple[list[RowResult], StepStats]:
-    draft_tokens, q_probs = draft(drafter, target.embed_weight, drafter_cache, rows, gamma)
+                     drafter_cache: KVCache, rows: list[RowInput], gamma: int,
+                     stop_prob: float = 0.0) -> tuple[list[RowResult], StepStats]:
+    draft_tokens, q_probs, lengths = draft(drafter, target.embed_weight, drafter_cache, rows, gamma, stop_prob)
     fed, out = verify(target, target_cache, rows, draft_tokens)
-    stats = StepStats(gamma=gamma, position_accepts=[0] * gamma)
+    stats = StepStats(gamma=gamma, position_accepts=[0] * gamma, drafted=lengths)
     results = []
     for b, r in enumerate(rows):
+        k = lengths[b]
         if r.temperature > 0:
-            n, nxt = accept_sampling(draft_tokens[b], q_probs[b], out.logits[b], r.temperature, r.top_p, r.generator)
+            n, nxt = accept_sampling(draft_tokens[b, :k], q_probs[b], out.logits[b, :k + 1], r.temperature,
+                                     r.top_p, r.generator)
         else:
-            n, nxt = accept_greedy(draft_tokens[b], out.logits[b])
+            n, nxt = accept_greedy(draft_tokens[b, :k], out.logits[b, :k + 1])
         stats.accepted.append(n)
         for i in range(n):
             stats.position_accepts[i] += 1

@@ -30,7 +30,8 @@ class GenerationStats:
 
 def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: list[int],
              max_new_tokens: int, gamma: int = 4, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int | None = None, stop_ids: tuple[int, ...] = ()) -> tuple[list[int], GenerationStats]:
+             seed: int | None = None, stop_ids: tuple[int, ...] = (),
+             stop_prob: float = 0.0) -> tuple[list[int], GenerationStats]:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     max_len = len(prompt_ids) + max_new_tokens + gamma + 2
     tcache = target.new_cache(1, max_len)
@@ -49,7 +50,7 @@ def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: lis
         if drafter is None:
             (res,) = target_step(target, tcache, [row])
         else:
-            (res,), st = speculative_step(target, drafter, tcache, dcache, [row], gamma)
+            (res,), st = speculative_step(target, drafter, tcache, dcache, [row], gamma, stop_prob)
             for i, c in enumerate(st.position_accepts):
                 stats.position_accepts[i] += c
         stats.target_forwards += 1

@@ -13,13 +13,42 @@ def _prompts(vocab: int, n: int, seed: int = 0):
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 6])
-def test_greedy_identical_to_target_only(tiny_target, tiny_drafter, gamma):
+@pytest.mark.parametrize("gamma,stop_prob", [(1, 0.0), (3, 0.0), (6, 0.0), (4, 0.05), (6, 0.5)])
+def test_greedy_identical_to_target_only(tiny_target, tiny_drafter, gamma, stop_prob):
     for prompt in _prompts(tiny_target.shape.vocab_size, 12, seed=gamma):
         ref, _ = generate(tiny_target, None, prompt, 40)
-        out, stats = generate(tiny_target, tiny_drafter, prompt, 40, gamma=gamma)
+        out, stats = generate(tiny_target, tiny_drafter, prompt, 40, gamma=gamma, stop_prob=stop_prob)
         assert out == ref
         assert stats.target_forwards <= len(ref)
+
+
+def test_draft_stops_rows_below_the_probability_threshold(tiny_target, tiny_drafter):
+    """stop_prob 0 drafts gamma tokens; above every probability, one per row; in between the
+    verify is as long as the longest row and shorter rows are never accepted past their length."""
+    from tide.spec.decode import RowInput, draft, speculative_step
+
+    def rows():
+        out = []
+        for slot, prompt in enumerate(_prompts(tiny_target.shape.vocab_size, 3, seed=4)):
+            tc = tiny_target.new_cache(3, 128) if slot == 0 else tcache
+            tcache = tc
+            pre = tiny_target.forward(torch.tensor([prompt]), torch.tensor([0]), tcache, torch.tensor([slot]))
+            out.append(RowInput(slot=slot, t_len=len(prompt), pending=int(pre.logits[0, -1].argmax()),
+                                feed_start=0, feed_tokens=torch.tensor(prompt[1:] + [int(pre.logits[0, -1].argmax())]),
+                                feed_aux=pre.aux_hidden[0]))
+        return out, tcache
+
+    embed = tiny_target.embed_weight
+    r, _ = rows()
+    toks, _, lengths = draft(tiny_drafter, embed, tiny_drafter.new_cache(3, 128), r, 5, stop_prob=0.0)
+    assert toks.shape == (3, 5) and lengths == [5, 5, 5]
+    toks, _, lengths = draft(tiny_drafter, embed, tiny_drafter.new_cache(3, 128), r, 5, stop_prob=1.01)
+    assert toks.shape == (3, 1) and lengths == [1, 1, 1]
+    r, tcache = rows()
+    results, stats = speculative_step(tiny_target, tiny_drafter, tcache, tiny_drafter.new_cache(3, 128), r, 5,
+                                      stop_prob=0.02)
+    assert all(1 <= k <= 5 for k in stats.drafted)
+    assert all(res.n_accepted <= k for res, k in zip(results, stats.drafted))
 
 
 def test_greedy_with_an_oracle_like_drafter_accepts_and_stays_identical(tiny_target, tiny_drafter):
@@ -73,7 +102,9 @@ def test_sampled_generation_distribution_matches_target_only(tiny_target, tiny_d
     n = 600
     spec, plain = {}, {}
     for seed in range(n):
-        a, _ = generate(tiny_target, tiny_drafter, prompt, 2, gamma=3, temperature=0.4, seed=seed)
+        # half the runs stop drafting early on low draft probability: still the target's distribution
+        a, _ = generate(tiny_target, tiny_drafter, prompt, 2, gamma=3, temperature=0.4, seed=seed,
+                        stop_prob=0.3 if seed % 2 else 0.0)
         b, _ = generate(tiny_target, None, prompt, 2, temperature=0.4, seed=10_000 + seed)
         spec[a[1]] = spec.get(a[1], 0) + 1
         plain[b[1]] = plain.get(b[1], 0) + 1
