@@ -5,7 +5,9 @@ Steps:
    (one full-vocab projection of the final states, chunked);
 2. bucket samples by length into batches of at most ``batch_tokens`` padded tokens;
 3. each epoch: shuffle batch order (seeded), compute ``eagle3_loss`` (TTT unroll), AdamW step
-   with linear warm-up + cosine decay and gradient clipping;
+   with linear warm-up + cosine decay and gradient clipping; under a wall-time cap the schedule's
+   horizon shrinks to the steps that fit (measured over the first steps), so a capped run still
+   ends annealed instead of being cut at a high learning rate;
 4. evaluate simulated acceptance on held-out samples (if given) and return the curve + metrics.
 The target's embedding and lm_head are frozen inputs; only the drafter's parameters train.
 """
@@ -22,6 +24,10 @@ from tqdm import tqdm
 
 from tide.drafter.model import Eagle3Drafter
 from tide.train.objective import Batch, eagle3_loss, simulated_acceptance, target_top_tokens
+
+
+# steps timed before a wall-time cap resizes the schedule (the first steps include warm-up costs)
+CAP_ESTIMATE_STEPS = 5
 
 
 @dataclass
@@ -112,17 +118,17 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     drafter.lm_head.weight.requires_grad_(train_head)
     prepare(samples, drafter, lm_head)
     batches = make_batches(samples, batch_tokens, max_len)
-    total_steps = max(1, epochs * len(batches))
-    warmup = max(1, total_steps // 20)
+    horizon = [max(1, epochs * len(batches))]  # steps the schedule spans (shrunk by a time cap)
+    warmup = max(1, horizon[0] // 20)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / total_steps)))))
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / horizon[0])))))
     rng = random.Random(seed)
     result = TrainResult()
     start = time.monotonic()
     drafter.train()
-    bar = tqdm(total=total_steps, desc="train drafter", disable=not progress, unit="step")
+    bar = tqdm(total=horizon[0], desc="train drafter", disable=not progress, unit="step")
     try:
         for _ in range(epochs):
             order = list(range(len(batches)))
@@ -144,7 +150,13 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
                 bar.update(1)
                 if on_step:
                     on_step(result.steps, result.loss_curve[-1])
-                if max_wall_s is not None and time.monotonic() - start > max_wall_s:
+                elapsed = time.monotonic() - start
+                if max_wall_s is not None and result.steps == CAP_ESTIMATE_STEPS:
+                    fit = int(max_wall_s / (elapsed / result.steps))
+                    if fit < horizon[0]:
+                        horizon[0] = max(fit, result.steps + 1)
+                        bar.total = horizon[0]
+                if result.steps >= horizon[0] or (max_wall_s is not None and elapsed > max_wall_s):
                     return result
     finally:
         bar.close()

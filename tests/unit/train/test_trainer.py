@@ -44,3 +44,28 @@ def test_training_raises_simulated_acceptance_and_matches_live_decoding(tiny_tar
     out, stats = generate(tiny_target, drafter, prompt, 24, gamma=3)
     assert out[:len(fed)] == fed
     assert stats.tokens_per_forward > 1.0
+
+
+def test_wall_time_cap_shrinks_the_schedule_and_stops_annealed(tiny_target, tiny_drafter, monkeypatch):
+    """A fake clock ticking 1 s per reading: a 10 s cap leaves room for ~10 steps of the 90
+    planned; training stops there with the learning rate at the end of its cosine."""
+    import tide.train.trainer as trainer_mod
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(trainer_mod.time, "monotonic", lambda: float(next(ticks)))
+    lrs = []
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        lrs.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    samples = _samples(tiny_target)
+    drafter = copy.deepcopy(tiny_drafter)
+    result = train(drafter, tiny_target.embed_weight, tiny_target.lm_head_weight, samples, epochs=30,
+                   lr=1e-3, batch_tokens=512, max_len=256, ttt_length=2, step_weight=0.8, progress=False,
+                   max_wall_s=10)
+    planned = 30 * len(trainer_mod.make_batches(samples, 512, 256))
+    assert planned > 20 and 8 <= result.steps <= 12, (planned, result.steps)
+    assert lrs[-1] < 0.2 * max(lrs)  # annealed (the floor is 10% of the peak)
