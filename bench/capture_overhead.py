@@ -35,11 +35,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_round(engine, prompts, n) -> float:
-    total, t0 = [0], time.perf_counter()
+    total, t0, lock = [0], time.perf_counter(), threading.Lock()
 
     def one(k, ids):
         req = GenerationRequest(f"c{time.monotonic_ns()}-{k}", tuple(ids), SamplingParams(max_new_tokens=n))
-        total[0] += sum(len(ev.token_ids) for ev in engine.submit(req))
+        got = sum(len(ev.token_ids) for ev in engine.submit(req))  # blocks until the request ends
+        with lock:  # (``total[0] += sum(...)`` would read total before blocking: last writer wins)
+            total[0] += got
     threads = [threading.Thread(target=one, args=(k, ids)) for k, ids in enumerate(prompts)]
     [t.start() for t in threads]
     [t.join() for t in threads]

@@ -63,11 +63,13 @@ def batched(engine_args, prompts, n, batch):
     """Tokens/s of the engine with ``batch`` concurrent greedy requests (wall clock)."""
     engine = ReferenceEngine(*engine_args[0], **engine_args[1], max_batch_size=batch)
     try:
-        t0, total = time.perf_counter(), [0]
+        t0, total, lock = time.perf_counter(), [0], threading.Lock()
 
         def run(ids, k):
             req = GenerationRequest(f"b{k}", tuple(ids), SamplingParams(max_new_tokens=n))
-            total[0] += sum(len(ev.token_ids) for ev in engine.submit(req))
+            got = sum(len(ev.token_ids) for ev in engine.submit(req))  # blocks until the request ends
+            with lock:  # (``total[0] += sum(...)`` would read total before blocking: last writer wins)
+                total[0] += got
         threads = [threading.Thread(target=run, args=(ids, k)) for k, ids in enumerate(prompts)]
         [t.start() for t in threads]
         [t.join() for t in threads]

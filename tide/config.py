@@ -180,7 +180,8 @@ class TrainConfig:
     min_heldout_samples: int = 2  # topped up from the window's lowest hashes when fewer
     min_samples: int = 16  # fewer recent training requests -> "nothing to do"
     # cap on recent training tokens (newest first; replay comes on top); 0 = none. With the
-    # default replay ratio a retrain sees ~50k tokens: ~10 CPU minutes (bench/retrain.py)
+    # default replay ratio (1.0) a retrain sees up to ~80k tokens; 8 passes over that exceed
+    # max_train_s on this CPU (~2.7 ms per token-pass, bench/retrain.py), so the cap decides
     max_train_tokens: int = 40_000
     max_train_s: float = 900.0  # training wall-time cap: the LR schedule shrinks to fit, then evaluation
     # True: prompt positions carry loss too (their teacher is the target's own distribution);

@@ -33,17 +33,18 @@ class DemoSettings:
     after_requests: int = 48
     concurrency: int = 6
     max_tokens: int = 64
-    retrain_min_tokens: int = 24_000
-    retrain_max_train_tokens: int = 40_000
-    compare_prompts: int = 10
-    compare_max_tokens: int = 64
-    budget_s: float = 22 * 60
+    retrain_min_tokens: int = 16_000
+    retrain_max_train_tokens: int = 16_000
+    retrain_max_s: float = 360.0  # the retrain's training cap (its LR schedule shrinks to fit)
+    compare_prompts: int = 8
+    compare_max_tokens: int = 48
+    budget_s: float = 20 * 60
 
     @classmethod
     def quick(cls) -> "DemoSettings":
         return cls(before_requests=12, shift_max_requests=240, after_requests=12, concurrency=6,
-                   max_tokens=48, retrain_min_tokens=6_000, retrain_max_train_tokens=8_000,
-                   compare_prompts=4, compare_max_tokens=40, budget_s=11 * 60)
+                   max_tokens=48, retrain_min_tokens=6_000, retrain_max_train_tokens=8_000, retrain_max_s=150.0,
+                   compare_prompts=4, compare_max_tokens=40, budget_s=7 * 60)
 
 
 def _say(msg: str) -> None:
@@ -64,7 +65,7 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     overrides = {
         "schedule": {"interval_s": 5, "min_new_samples": settings.retrain_min_tokens, "sample_unit": "tokens",
                      "cooldown_s": 60, "backoff_base_s": 10},
-        "train": {"max_train_tokens": settings.retrain_max_train_tokens},
+        "train": {"max_train_tokens": settings.retrain_max_train_tokens, "max_train_s": settings.retrain_max_s},
         "ops": {"auto_promote": True, "poll_interval_s": 3, "guard_window_forwards": 100},
         "ingest": {"roll_interval_s": 10},
     }
