@@ -49,7 +49,7 @@ class SpecConfig:
     draft_len: int = 4  # gamma: tokens drafted per target forward (at most)
     # a row stops drafting after a token the drafter gave less than this probability (0 = always
     # draft draft_len); fewer hopeless drafts make the verify forward cheaper (bench/spec_decode.py)
-    draft_stop_prob: float = 0.0
+    draft_stop_prob: float = 0.3
     enabled: bool = True
 
 
