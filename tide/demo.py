@@ -43,7 +43,7 @@ class DemoSettings:
     @classmethod
     def quick(cls) -> "DemoSettings":
         return cls(before_requests=12, shift_max_requests=240, after_requests=12, concurrency=6,
-                   max_tokens=48, retrain_min_tokens=6_000, retrain_max_train_tokens=8_000, retrain_max_s=150.0,
+                   max_tokens=48, retrain_min_tokens=6_000, retrain_max_train_tokens=8_000, retrain_max_s=110.0,
                    compare_prompts=4, compare_max_tokens=40, budget_s=7 * 60)
 
 
