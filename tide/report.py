@@ -39,7 +39,8 @@ class ModeResult:
 
 
 def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, list[list[int]]],
-            max_new_tokens: int, gamma: int, progress=print) -> dict[str, dict[str, ModeResult]]:
+            max_new_tokens: int, gamma: int, progress=print,
+            stop_prob: float = 0.0) -> dict[str, dict[str, ModeResult]]:
     """{workload: {mode: ModeResult}}; mode "target" is target-only decoding."""
     modes = [("target", None), *drafters.items()]
     out: dict[str, dict[str, ModeResult]] = {}
@@ -53,7 +54,7 @@ def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, 
             outputs = {}
             for name, drafter in rotated:
                 t0 = time.perf_counter()
-                tokens, stats = generate(target, drafter, ids, max_new_tokens, gamma=gamma)
+                tokens, stats = generate(target, drafter, ids, max_new_tokens, gamma=gamma, stop_prob=stop_prob)
                 elapsed = time.perf_counter() - t0
                 r = res[name]
                 r.prompts += 1
