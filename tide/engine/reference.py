@@ -60,6 +60,8 @@ class ReferenceEngine:
         self.target_model_id = target_model_id
         self.max_seq_len = max_seq_len
         self.draft_len = draft_len
+        if not 0.0 <= draft_stop_prob <= 1.0:
+            raise ValueError(f"spec.draft_stop_prob must be in [0, 1], got {draft_stop_prob}")
         self.draft_stop_prob = draft_stop_prob
         self.max_batch_size = max_batch_size
         self.eos_ids = tuple(eos_ids)

@@ -114,6 +114,8 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
         pos = positions[torch.arange(bsz), last][:, None]
         for i in range(gamma):
             logits = drafter.logits(h)[:, 0].float()  # [B, draft_vocab]
+            # greedy rows' confidence: the top draft probability, one batched softmax per step
+            top_prob = torch.softmax(logits, dim=-1).amax(-1).tolist() if stop_prob > 0 else None
             for b, r in enumerate(rows):
                 if not active[b]:
                     out_tokens[b, i] = out_tokens[b, i - 1]  # padding: verified, never accepted
@@ -127,7 +129,7 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
                     confidence = float(q[d])
                 else:
                     d = int(logits[b].argmax())
-                    confidence = float(torch.softmax(logits[b], dim=-1)[d]) if stop_prob > 0 else 1.0
+                    confidence = top_prob[b] if top_prob is not None else 1.0
                 out_tokens[b, i] = d2t_ids[d]
                 lengths[b] = i + 1
                 active[b] = confidence >= stop_prob

@@ -134,3 +134,8 @@ def test_cancel_by_closing_the_stream_frees_the_slot(engine):
 def test_too_long_request_rejected(engine):
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.submit(GenerationRequest("x", tuple(range(3, 190)), SamplingParams(max_new_tokens=50)))
+
+
+def test_draft_stop_prob_out_of_range_is_refused(tiny_target, tiny_drafter):
+    with pytest.raises(ValueError, match="draft_stop_prob"):
+        ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_stop_prob=1.5)
