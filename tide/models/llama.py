@@ -132,24 +132,32 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVC
 
 
 class Linears:
-    """``y = x @ W.T`` for the target's projection weights, through oneDNN with prepacked weights.
+    """``y = x @ W.T`` for the target's projection weights: the few-row C kernel where it runs,
+    else oneDNN with prepacked weights for several rows and MKL for one.
 
     Why: decode (1 token) and verify (γ+1 tokens) on CPU are bound by streaming the weights from
-    memory; MKL's small-M sgemm reads them at well under half that speed for M=2..8, so a 5-token
-    verify cost ~2x a 1-token decode. oneDNN with weights reordered once into its blocked layout
-    keeps M=5 within ~1.4x of M=1. For M=1 MKL's gemv is faster than oneDNN (~86 vs ~109 ms
-    per SmolLM2 token here), so single rows keep it. Neither path is bitwise batch-invariant
-    (row results differ by ~4e-5 between M=1 and M=5, as they did with MKL alone); the greedy
-    lossless tests compare speculative and target-only outputs token for token.
-    Falls back to ``F.linear`` where oneDNN is not available (or for non-fp32 weights).
+    memory, and what speculative decoding pays per step is the verify/decode cost ratio. MKL's
+    small-M sgemm reads the weights at under half its gemv speed for M=2..8 (a 5-token verify cost
+    ~2x a decode); oneDNN with weights reordered once keeps M=5 within ~1.4x; the row kernel
+    (``rowkernel.py``) keeps it near 1.1-1.2x and is batch-invariant: a token's logits are bitwise
+    the same in a decode and in a verify. It is single-threaded, so it serves up to
+    ``ROW_KERNEL_MAX_ROWS`` rows when torch runs on one thread; larger batches and multi-threaded
+    engines keep torch's kernels, which are not batch-invariant (rows differ by ~4e-5 between
+    M=1 and M=5; the greedy lossless tests compare outputs token for token either way).
     """
 
     # the reorder's batch-size hint: tuned for verify-sized M (1..40 rows measured alike)
     PACK_HINT_ROWS = 16
+    # above this many rows oneDNN's blocked GEMM catches up with the row kernel (measured ~16)
+    ROW_KERNEL_MAX_ROWS = 16
 
-    def __init__(self, w: dict[str, torch.Tensor], names: list[str], packed: bool):
+    def __init__(self, w: dict[str, torch.Tensor], names: list[str], packed: bool, row_kernel: bool = True):
         self.w = w
         self.packed: dict[str, torch.Tensor] = {}
+        self.rows = None
+        if row_kernel and all(w[name].dtype == torch.float32 and w[name].is_contiguous() for name in names):
+            from tide.models.rowkernel import load
+            self.rows = load()
         if packed and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
             try:
                 for name in names:
@@ -158,9 +166,13 @@ class Linears:
                 self.packed = {}
 
     def __call__(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        weight = self.packed.get(name)
         flat = x.reshape(-1, x.shape[-1])
-        if weight is None or flat.shape[0] == 1:
+        m = flat.shape[0]
+        if self.rows is not None and m <= self.ROW_KERNEL_MAX_ROWS and torch.get_num_threads() == 1:
+            out = self.rows(flat, self.w[name])
+            return out.view(*x.shape[:-1], out.shape[-1])
+        weight = self.packed.get(name)
+        if weight is None or m == 1:
             return F.linear(x, self.w[name])
         if not flat.is_contiguous():
             flat = flat.contiguous()
@@ -180,7 +192,7 @@ class LlamaTarget:
 
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor],
                  aux_layer_ids: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
-                 max_seq_len: int = 2048, packed: bool = True):
+                 max_seq_len: int = 2048, packed: bool = True, row_kernel: bool = True):
         self.shape = shape
         self.dtype = dtype
         self.aux_layer_ids = tuple(aux_layer_ids) or default_aux_layer_ids(shape.num_layers)
@@ -200,18 +212,19 @@ class LlamaTarget:
             w[p + "gate_up"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
         self.w = w
         self.linear = Linears(w, [k for k in w if k.endswith(("qkv", "gate_up", "o_proj.weight", "down_proj.weight"))]
-                              + ["lm_head.weight"], packed=packed and dtype == torch.float32)
+                              + ["lm_head.weight"], packed=packed and dtype == torch.float32,
+                              row_kernel=row_kernel)
         self.max_seq_len = max_seq_len
         self.cos, self.sin = rope_tables(shape.head_dim, shape.rope_theta, max_seq_len + 64)
 
     @classmethod
     def from_folder(cls, folder: str | Path, aux_layer_ids: tuple[int, ...] = (),
                     dtype: torch.dtype = torch.float32, max_seq_len: int = 2048,
-                    packed: bool = True) -> "LlamaTarget":
+                    packed: bool = True, row_kernel: bool = True) -> "LlamaTarget":
         folder = Path(folder)
         cfg = json.loads((folder / "config.json").read_text())
         weights = load_file(str(folder / "model.safetensors"))
-        return cls(LlamaShape.from_hf_config(cfg), weights, aux_layer_ids, dtype, max_seq_len, packed)
+        return cls(LlamaShape.from_hf_config(cfg), weights, aux_layer_ids, dtype, max_seq_len, packed, row_kernel)
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -68,7 +68,8 @@ def test_prepacked_projections_match_plain_linear():
 
     g = torch.Generator().manual_seed(3)
     w = {"a": torch.randn(96, 64, generator=g), "b": torch.randn(64, 96, generator=g)}
-    packed, plain = Linears(w, ["a", "b"], packed=True), Linears(w, ["a", "b"], packed=False)
+    packed = Linears(w, ["a", "b"], packed=True, row_kernel=False)
+    plain = Linears(w, ["a", "b"], packed=False, row_kernel=False)
     assert not plain.packed
     if torch.backends.mkldnn.is_available():
         assert set(packed.packed) == {"a", "b"}
@@ -83,7 +84,7 @@ def test_prepacked_projections_match_plain_linear():
 def test_packed_and_plain_targets_agree(pair):
     _, ours = pair
     plain = LlamaTarget(ours.shape, {k: v for k, v in ours.w.items() if k.endswith("weight")},
-                        ours.aux_layer_ids, max_seq_len=128, packed=False)
+                        ours.aux_layer_ids, max_seq_len=128, packed=False, row_kernel=False)
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(5))
     a = ours.forward(ids, torch.tensor([0, 0]), ours.new_cache(2), torch.tensor([0, 1]))
     b = plain.forward(ids, torch.tensor([0, 0]), plain.new_cache(2), torch.tensor([0, 1]))
