@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from bench.report import print_table, write_json  # noqa: E402
 from tide.config import load_config  # noqa: E402
 from tide.drafter.artifact import TargetSpec, load_drafter  # noqa: E402
+from tide.drafter.model import for_serving  # noqa: E402
 from tide.drafter.static import static_drafter_path  # noqa: E402
 from tide.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from tide.engine.reference import ReferenceEngine, load_target  # noqa: E402
@@ -96,7 +97,9 @@ def main() -> int:
     stop_prob = cfg.spec.draft_stop_prob if args.stop_prob is None else args.stop_prob
     target, tok, _ = load_target(cfg)
     path = Path(args.drafter) if args.drafter else static_drafter_path(cfg)
-    drafter = load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids))
+    # as the engine serves it: linears on the row kernel over bf16 weights (where it runs)
+    drafter = for_serving(load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size,
+                                                        target.aux_layer_ids)))
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
     res, accept_lengths, pos_rates, identical = single_stream(target, drafter, prompts, args.max_new_tokens, gamma, stop_prob)

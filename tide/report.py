@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tide.drafter.model import for_serving
 from tide.models.llama import LlamaTarget
 from tide.spec.generate import generate
 
@@ -41,8 +42,9 @@ class ModeResult:
 def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, list[list[int]]],
             max_new_tokens: int, gamma: int, progress=print,
             stop_prob: float = 0.0) -> dict[str, dict[str, ModeResult]]:
-    """{workload: {mode: ModeResult}}; mode "target" is target-only decoding."""
-    modes = [("target", None), *drafters.items()]
+    """{workload: {mode: ModeResult}}; mode "target" is target-only decoding. Drafters run as the
+    engine serves them (``for_serving``)."""
+    modes = [("target", None), *((name, for_serving(d)) for name, d in drafters.items())]
     out: dict[str, dict[str, ModeResult]] = {}
     for workload, prompts in prompts_by_workload.items():
         res = {name: ModeResult() for name, _ in modes}

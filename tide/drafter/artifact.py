@@ -55,6 +55,16 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def round_weights_(drafter: Eagle3Drafter, dtype: torch.dtype) -> Eagle3Drafter:
+    """Round floating parameters to ``dtype`` in place (kept in their own dtype): what a drafter
+    saved with ``save_drafter(..., dtype=dtype)`` will load back as, bit for bit."""
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.is_floating_point():
+                p.copy_(p.to(dtype).to(p.dtype))
+    return drafter
+
+
 def save_drafter(drafter: Eagle3Drafter, folder: str | Path, metadata: dict | None = None,
                  dtype: torch.dtype | None = None) -> Path:
     """Write the export layout atomically (temp folder + rename); returns the folder.

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from tide import metrics
-from tide.drafter.model import Eagle3Drafter
+from tide.drafter.model import Eagle3Drafter, for_serving
 from tide.engine.base import (CaptureMeta, CaptureSink, EngineStats, GenerationRequest, StepCapture,
                               TokenEvent)
 from tide.models.llama import LlamaTarget
@@ -65,6 +65,7 @@ class ReferenceEngine:
         self.draft_stop_prob = draft_stop_prob
         self.max_batch_size = max_batch_size
         self.eos_ids = tuple(eos_ids)
+        drafter = for_serving(drafter) if drafter is not None else None
         self._drafter = drafter
         self._version = drafter_version if drafter is not None else "none"
         self._pending_swap: tuple[Eagle3Drafter | None, str] | None = None
@@ -114,6 +115,8 @@ class ReferenceEngine:
         return self._stream(running)
 
     def swap_drafter(self, drafter: Eagle3Drafter | None, version: str) -> None:
+        # prepared here, in the caller's thread: the decode loop only switches references
+        drafter = for_serving(drafter) if drafter is not None else None
         with self._lock:
             self._pending_swap = (drafter, version)
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tide.drafter.artifact import TargetSpec, load_drafter, save_drafter
+from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save_drafter
 from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
 from tide.registry import (CHALLENGER, CHAMPION, TAG_CODE, TAG_KIND, TAG_PARENT, TAG_PARENT_SIM_ACCEPT,
@@ -108,6 +108,8 @@ def _eval_metrics(prefix: str, ev) -> dict[str, float]:
 def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = None,
                 progress: bool = False) -> RetrainResult:
     """One retrain (steps in the module docstring)."""
+    import torch
+
     from tide.models.target import load_target  # target loading only; no engine is built
     from tide.train.trainer import evaluate, train
 
@@ -163,6 +165,9 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
                         step_weight=tc.step_weight_decay, seed=tc.seed, progress=progress,
                         max_wall_s=tc.max_train_s, feature_weight=tc.feature_weight,
                         ce_weight=tc.ce_weight, train_head=tc.train_head)
+        # stored and served in bf16, as the static drafter (half the bytes to stream per draft
+        # token); rounded before evaluation so the registered metrics describe those weights
+        round_weights_(candidate, torch.bfloat16)
         t_eval = time.monotonic()
         after = evaluate(candidate, embed, head, data.heldout, **eval_kw)
         eval_s += time.monotonic() - t_eval
@@ -191,7 +196,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
             "data_window": [plan.window_start_s, plan.window_end_s], "target": cfg.model.model_id,
             "heldout_sim_accept_length": round(after.accept_length, 4),
             "parent_heldout_sim_accept_length": round(before.accept_length, 4),
-            "parent_recorded_sim_accept_length": parent_recorded, "code_version": code})
+            "parent_recorded_sim_accept_length": parent_recorded, "code_version": code}, dtype=torch.bfloat16)
         run.log_json("retrain.json", {"plan": summary, "metrics": metrics, "loss_curve": trained.loss_curve,
                                       "request_ids": {"recent": plan.recent, "replay": plan.replay,
                                                       "heldout": plan.heldout}})

@@ -89,3 +89,17 @@ def test_missing_files_refused(tmp_path):
     (tmp_path / "e").mkdir()
     with pytest.raises(DrafterError, match="missing config.json"):
         load_drafter(tmp_path / "e")
+
+
+def test_rounded_weights_are_what_a_bf16_artifact_loads_back(tiny_drafter, tmp_path):
+    """The online retrain evaluates the rounded candidate: its metrics describe the served weights."""
+    import copy
+
+    from tide.drafter.artifact import round_weights_
+
+    rounded = round_weights_(copy.deepcopy(tiny_drafter), torch.bfloat16)
+    assert not torch.equal(rounded.fc.weight, tiny_drafter.fc.weight)
+    assert rounded.fc.weight.dtype == torch.float32
+    loaded = load_drafter(save_drafter(tiny_drafter, tmp_path / "r", dtype=torch.bfloat16), spec_of(tiny_drafter))
+    for (name, a), (_, b) in zip(rounded.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), name
