@@ -42,9 +42,11 @@ class DemoSettings:
 
     @classmethod
     def quick(cls) -> "DemoSettings":
-        return cls(before_requests=12, shift_max_requests=240, after_requests=12, concurrency=6,
-                   max_tokens=48, retrain_min_tokens=6_000, retrain_max_train_tokens=8_000, retrain_max_s=110.0,
-                   compare_prompts=4, compare_max_tokens=40, budget_s=7 * 60)
+        # the retrain triggers on all new tokens, chat included: 7.5k leaves ~6k of code in it
+        # (6k left ~4k, a minority of the training requests, and a challenger no better)
+        return cls(before_requests=8, shift_max_requests=240, after_requests=8, concurrency=6,
+                   max_tokens=48, retrain_min_tokens=7_500, retrain_max_train_tokens=8_000, retrain_max_s=120.0,
+                   compare_prompts=4, compare_max_tokens=32, budget_s=7 * 60)
 
 
 def _say(msg: str) -> None:
