@@ -260,20 +260,18 @@ class RowLinear(nn.Module):
         super().__init__()
         w32 = weight.detach().float().contiguous()
         w16 = w32.bfloat16()
-        self.register_buffer("w32", w32)
-        self.register_buffer("wk", w16 if torch.equal(w16.float(), w32) else w32)
+        # ``weight`` keeps nn.Linear's state_dict key and value: a served drafter exports and
+        # compares like the drafter it came from; the kernel's copy is not part of the state
+        self.register_buffer("weight", w32)
+        self.register_buffer("wk", w16 if torch.equal(w16.float(), w32) else w32, persistent=False)
         self.kernel = kernel
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.w32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= self.MAX_ROWS and x.dtype == torch.float32 and torch.get_num_threads() == 1:
             out = self.kernel(flat, self.wk)
         else:
-            out = F.linear(flat, self.w32.to(x.dtype))
+            out = F.linear(flat, self.weight.to(x.dtype))
         return out.view(*x.shape[:-1], out.shape[-1])
 
 

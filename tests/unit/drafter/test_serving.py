@@ -36,3 +36,11 @@ def test_served_copy_matches_and_leaves_the_original(tiny_target, tiny_drafter, 
         b, _ = generate(tiny_target, served, prompt, 24, gamma=3)
         c, _ = generate(tiny_target, None, prompt, 24)
     assert a == b == c  # lossless either way; same draft tokens for this prompt
+
+
+def test_served_copy_has_the_same_state_dict(tiny_target, tiny_drafter, tmp_path):
+    """Operators compare and export the drafter the engine serves: same keys, same values."""
+    loaded = load_drafter(save_drafter(tiny_drafter, tmp_path / "s", dtype=torch.bfloat16), _spec(tiny_target))
+    ref, got = loaded.state_dict(), for_serving(loaded).state_dict()
+    assert list(got) == list(ref)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
