@@ -1,9 +1,10 @@
 """The main job, quick, on real parts (broker, MLflow server, engine, ingest, scheduler, retrain
 job): records captured -> Parquet rows -> a retrain -> a new version registered -> promoted by
-the auto-promotion policy (held-out simulated acceptance >= 5% over the static drafter) and
-swapped into the engine -> live acceptance on the shifted (code) workload higher than the static
-drafter's before the swap. (Measured here: challenger 1.33 vs static 1.13 simulated, live 1.32 vs
-1.17 after the swap; the quick retrain trains ~110 s on ~6k captured tokens.)"""
+the auto-promotion policy (held-out simulated acceptance >= 2% over the static drafter: the demo's
+margin) and swapped into the engine -> live acceptance on the shifted (code) workload higher than
+the static drafter's before the swap. (Measured here: challenger 1.30-1.32 vs static 1.09-1.20
+simulated, live 1.23 vs 1.17 after the swap; the quick retrain starts at 7.5k captured tokens and
+trains up to 120 s.)"""
 import json
 import os
 import subprocess

@@ -124,6 +124,10 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     trained, parent = load_drafter(local, spec), load_drafter(registry.download(1), spec)
     assert mapping_digest(trained.d2t) == mapping_digest(parent.d2t)
     assert not torch.equal(trained.fc.weight, parent.fc.weight)  # it did train
+    # stored in bf16, and the registered metrics were measured on those rounded weights
+    from safetensors import safe_open
+    with safe_open(str(local / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
     assert registry.client.get_run(version.run_id).info.status == "FINISHED"
 
     # the same window, exported for SpecForge with the champion's (fixed) vocab mapping

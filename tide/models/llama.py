@@ -138,8 +138,9 @@ class Linears:
     Why: decode (1 token) and verify (γ+1 tokens) on CPU are bound by streaming the weights from
     memory, and what speculative decoding pays per step is the verify/decode cost ratio. MKL's
     small-M sgemm reads the weights at under half its gemv speed for M=2..8 (a 5-token verify cost
-    ~2x a decode); oneDNN with weights reordered once keeps M=5 within ~1.4x; the row kernel
-    (``rowkernel.py``) keeps it near 1.1-1.2x and is batch-invariant: a token's logits are bitwise
+    ~2x a decode); oneDNN with weights reordered once keeps M=5 within ~1.5x; with the row kernel
+    (``rowkernel.py``) 2/3/5 rows cost 1.06/1.10/1.28x of one (``bench/forward.py``), and it is
+    batch-invariant: a token's logits are bitwise
     the same in a decode and in a verify. It is single-threaded, so it serves up to
     ``ROW_KERNEL_MAX_ROWS`` rows when torch runs on one thread; larger batches and multi-threaded
     engines keep torch's kernels, which are not batch-invariant (rows differ by ~4e-5 between

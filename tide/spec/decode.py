@@ -115,7 +115,8 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
         for i in range(gamma):
             logits = drafter.logits(h)[:, 0].float()  # [B, draft_vocab]
             # greedy rows' confidence: the top draft probability, one batched softmax per step
-            top_prob = torch.softmax(logits, dim=-1).amax(-1).tolist() if stop_prob > 0 else None
+            top_prob = (torch.softmax(logits, dim=-1).amax(-1).tolist()
+                        if stop_prob > 0 and any(r.temperature <= 0 for r in rows) else None)
             for b, r in enumerate(rows):
                 if not active[b]:
                     out_tokens[b, i] = out_tokens[b, i - 1]  # padding: verified, never accepted
