@@ -36,6 +36,7 @@ class Batch:
     aux: torch.Tensor  # [B, T, 3H]
     final: torch.Tensor  # [B, T, H]
     loss_mask: torch.Tensor  # [B, T] float (0 on padding too)
+    # where loss_mask is set (only read there):
     in_vocab: torch.Tensor  # [B, T] bool: the target's argmax at t is in the draft vocab
     target_top: torch.Tensor | None = None  # [B, T] int64: the target's argmax at t (full vocab)
 

@@ -39,7 +39,7 @@ class Sample:
     aux: torch.Tensor  # [T, 3H] (bf16 or fp32)
     final: torch.Tensor  # [T, H]
     in_vocab: torch.Tensor | None = None  # filled by the trainer
-    target_top: torch.Tensor | None = None  # [T] the target's argmax (filled by the trainer)
+    target_top: torch.Tensor | None = None  # [T] the target's argmax where loss_mask (filled by the trainer)
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -102,9 +102,13 @@ def collate(samples: list[Sample], max_len: int) -> Batch:
 
 
 def prepare(samples: list[Sample], drafter: Eagle3Drafter, lm_head: torch.Tensor) -> None:
+    """Fill ``target_top`` (the target's full-vocab argmax) where the loss mask is set, 0 elsewhere:
+    the full-vocab projection is the cost, and prompt positions are never scored."""
     for s in samples:
         if s.target_top is None:
-            s.target_top = target_top_tokens(s.final, lm_head)
+            where = s.loss_mask > 0
+            s.target_top = torch.zeros(len(s), dtype=torch.long)
+            s.target_top[where] = target_top_tokens(s.final[where], lm_head)
         # recomputed every time: cheap, and the vocab mapping is the drafter's
         s.in_vocab = drafter.t2d[s.target_top]
 
