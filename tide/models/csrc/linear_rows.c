@@ -5,6 +5,10 @@
  * M = 2..8, and oneDNN still costs ~1.3-1.4x a 1-row gemv at M = 5. Here each group of 4 weight
  * rows is read from memory once, then stays in L1 while every row of x (two at a time) uses it.
  *
+ * The first pass over a group also prefetches the group PREFETCH_GROUPS ahead, so later passes
+ * (rows 3.., computed from L1) overlap the memory stream instead of stalling it: 12-20% faster for
+ * 1..8 rows in a C microbenchmark over 135M float32 weights on this machine.
+ *
  * Batch invariance: every (m, n) is summed in the same order whatever M is (8-wide FMA lanes over
  * k, one fixed horizontal sum, then the k tail), so a token's logits are bitwise identical in a
  * 1-token decode and inside a 5-token verify.
@@ -15,6 +19,19 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+#define PREFETCH_GROUPS 2
+
+/* 4 weight rows starting at p (the next groups' rows), k-th 8-wide step: one line ahead each */
+#define PREFETCH4(p, K, k)                                                                         \
+    do {                                                                                          \
+        if (p) {                                                                                  \
+            _mm_prefetch((const char *)((p) + (k)), _MM_HINT_T0);                                 \
+            _mm_prefetch((const char *)((p) + (K) + (k)), _MM_HINT_T0);                           \
+            _mm_prefetch((const char *)((p) + 2 * (K) + (k)), _MM_HINT_T0);                       \
+            _mm_prefetch((const char *)((p) + 3 * (K) + (k)), _MM_HINT_T0);                       \
+        }                                                                                         \
+    } while (0)
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -48,11 +65,12 @@ static float dot1_##SUFFIX(const float *x, const WT *w, long K) {               
     return s;                                                                                     \
 }                                                                                                 \
 static void rows2x4_##SUFFIX(const float *xa, const float *xb, const WT *w0, long K, float *ya,    \
-                             float *yb) {                                                         \
+                             float *yb, const WT *ahead) {                                        \
     const WT *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                                            \
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;\
     long k = 0;                                                                                   \
     for (; k + 8 <= K; k += 8) {                                                                  \
+        PREFETCH4(ahead, K, k);                                                                   \
         __m256 v0 = LOADW(w0 + k), v1 = LOADW(w1 + k), v2 = LOADW(w2 + k), v3 = LOADW(w3 + k);    \
         __m256 x = _mm256_loadu_ps(xa + k);                                                       \
         a0 = _mm256_fmadd_ps(x, v0, a0); a1 = _mm256_fmadd_ps(x, v1, a1);                         \
@@ -69,11 +87,12 @@ static void rows2x4_##SUFFIX(const float *xa, const float *xb, const WT *w0, lon
     }                                                                                             \
     for (int j = 0; j < 4; j++) { ya[j] = s[j]; yb[j] = s[4 + j]; }                               \
 }                                                                                                 \
-static void rows1x4_##SUFFIX(const float *x, const WT *w0, long K, float *y) {                    \
+static void rows1x4_##SUFFIX(const float *x, const WT *w0, long K, float *y, const WT *ahead) {   \
     const WT *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                                            \
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                   \
     long k = 0;                                                                                   \
     for (; k + 8 <= K; k += 8) {                                                                  \
+        PREFETCH4(ahead, K, k);                                                                   \
         __m256 v = _mm256_loadu_ps(x + k);                                                        \
         a0 = _mm256_fmadd_ps(v, LOADW(w0 + k), a0); a1 = _mm256_fmadd_ps(v, LOADW(w1 + k), a1);  \
         a2 = _mm256_fmadd_ps(v, LOADW(w2 + k), a2); a3 = _mm256_fmadd_ps(v, LOADW(w3 + k), a3);  \
@@ -90,10 +109,13 @@ void tide_linear_rows_##SUFFIX(const float *x, long M, long K, const WT *w, long
     long n = 0;                                                                                   \
     for (; n + 4 <= N; n += 4) {                                                                  \
         const WT *wn = w + n * K;                                                                 \
+        /* only the first pass prefetches, and never past the matrix */                          \
+        const WT *ahead = n + 4 * PREFETCH_GROUPS + 4 <= N ? wn + 4 * PREFETCH_GROUPS * K : NULL; \
         long m = 0;                                                                               \
-        for (; m + 2 <= M; m += 2)                                                                \
-            rows2x4_##SUFFIX(x + m * K, x + (m + 1) * K, wn, K, y + m * N + n, y + (m + 1) * N + n);\
-        if (m < M) rows1x4_##SUFFIX(x + m * K, wn, K, y + m * N + n);                             \
+        for (; m + 2 <= M; m += 2, ahead = NULL)                                                  \
+            rows2x4_##SUFFIX(x + m * K, x + (m + 1) * K, wn, K, y + m * N + n, y + (m + 1) * N + n,\
+                             ahead);                                                              \
+        if (m < M) rows1x4_##SUFFIX(x + m * K, wn, K, y + m * N + n, ahead);                      \
     }                                                                                             \
     for (; n < N; n++)                                                                            \
         for (long m = 0; m < M; m++) y[m * N + n] = dot1_##SUFFIX(x + m * K, w + n * K, K);       \
