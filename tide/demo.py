@@ -23,7 +23,8 @@ import httpx
 from tide import workloads
 from tide.report import compare, plot_acceptance, write_summary
 from tide.stack import Stack, StackOptions
-from tide.traffic import AcceptanceSampler, TrafficResult, replay
+from tide.metrics import SCHED_RETRAINS_FINISHED
+from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_value, replay, scrape
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,17 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     try:
         before_prompts = _load(before, "heldout", settings.before_requests + settings.compare_prompts, 11)
         after_prompts = _load(after, "train", settings.shift_max_requests, 12)
+        def status(res: TrafficResult, version: str) -> None:
+            """Every 10 requests: traffic, live acceptance of the serving drafter, capture, retrain."""
+            if res.sent % 10 == 0:
+                live = sampler.recent(version)
+                accept = f"{live:.2f} tokens/forward" if live is not None else "-"
+                _say(f"  {res.sent} requests, {res.failed} failed | drafter {version}: {accept} (last 30 s) | "
+                     + loop_status(stack.endpoints["ingest metrics"], stack.endpoints["scheduler metrics"]))
+
         _say(f"phase 1: {settings.before_requests} '{before}' requests (drafter {static_version})")
-        r1 = replay(url, before_prompts[settings.compare_prompts:], settings.concurrency, settings.max_tokens)
+        r1 = replay(url, before_prompts[settings.compare_prompts:], settings.concurrency, settings.max_tokens,
+                    on_done=lambda res: status(res, static_version))
         sampler.sample()
         sampler.mark(f"shift to {after}")
         t_shift = time.monotonic()
@@ -103,18 +113,10 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
                 state["version"] = version
             if version != static_version:
                 state["served_after"] += 1
-            if res.sent % 10 == 0:
-                _say(f"  {res.sent} requests, {res.failed} failed, drafter {version}")
-
-        sched_metrics = stack.endpoints["scheduler metrics"]
+            status(res, version)
 
         def retrains_finished() -> float:
-            try:
-                text = httpx.get(sched_metrics, timeout=5).text
-            except httpx.HTTPError:
-                return 0.0
-            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("tide_scheduler_retrains_finished_total{"))
+            return metric_value(scrape(stack.endpoints["scheduler metrics"]), SCHED_RETRAINS_FINISHED) or 0.0
 
         def done() -> bool:
             if state["served_after"] >= settings.after_requests or time.monotonic() - t_start > settings.budget_s:

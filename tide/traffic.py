@@ -3,7 +3,9 @@
 ``replay`` sends workload prompts to ``/v1/chat/completions`` at a fixed concurrency until the
 prompts run out or ``until()`` says stop; every request is checked (status, finish reason) and
 counted. ``AcceptanceSampler`` scrapes ``/metrics`` every few seconds and turns the counter
-deltas into a time series of tokens per target forward by drafter version.
+deltas into a time series of tokens per target forward by drafter version. ``loop_status`` is the
+demo's live line: what ingest has made durable and where the scheduler's retrain stands, read
+from those services' own ``/metrics``.
 """
 from __future__ import annotations
 
@@ -128,7 +130,54 @@ class AcceptanceSampler:
         self._thread.join(timeout=10)
         self.sample()
 
+    def recent(self, version: str, window_s: float = 30.0) -> float | None:
+        """Tokens per target forward of ``version`` over the last ``window_s`` of samples."""
+        end = time.monotonic() - self.t0
+        return self.mean_between(end - window_s, end, version)
+
     def mean_between(self, start_s: float, end_s: float, version: str | None = None) -> float | None:
         pts = [p for p in self.points if start_s <= p.t_s <= end_s and (version is None or p.version == version)]
         forwards = sum(p.forwards for p in pts)
         return sum(p.tokens_per_forward * p.forwards for p in pts) / forwards if forwards else None
+
+
+def scrape(metrics_url: str, timeout_s: float = 5.0) -> dict[str, list]:
+    """{metric family name: [samples]} of a /metrics page; {} when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(metrics_url, timeout=timeout_s).text
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def metric_value(families: dict[str, list], metric, **labels) -> float | None:
+    """Sum of ``metric``'s samples (its ``_total`` for counters) matching ``labels``."""
+    name = metric.describe()[0].name
+    wanted = {name, f"{name}_total"}
+    values = [s.value for s in families.get(name, [])
+              if s.name in wanted and all(s.labels.get(k) == v for k, v in labels.items())]
+    return sum(values) if values else None
+
+
+def loop_status(ingest_metrics_url: str, scheduler_metrics_url: str) -> str:
+    """'12.3k tokens in Parquet | retrain: waiting 9.1k/16.0k new samples (1 succeeded)', or 'running'."""
+    from tide import metrics
+
+    ingest = scrape(ingest_metrics_url)
+    sched = scrape(scheduler_metrics_url)
+    tokens = metric_value(ingest, metrics.INGEST_TOKENS)
+    parts = [f"{tokens / 1000:.1f}k tokens in Parquet" if tokens is not None else "ingest metrics unavailable"]
+    if not sched:
+        return " | ".join(parts + ["scheduler metrics unavailable"])
+    done = {o: metric_value(sched, metrics.SCHED_RETRAINS_FINISHED, outcome=o)
+            for o in ("succeeded", "failed", "timed_out")}
+    done_text = ", ".join(f"{int(v)} {o}" for o, v in done.items() if v)
+    if metric_value(sched, metrics.SCHED_RUNNING):
+        state = "running"
+    else:
+        new = metric_value(sched, metrics.SCHED_NEW_SAMPLES)
+        need = metric_value(sched, metrics.SCHED_THRESHOLD)
+        state = f"waiting {(new or 0) / 1000:.1f}k/{(need or 0) / 1000:.1f}k new samples"
+    return " | ".join(parts + [f"retrain: {state}" + (f" ({done_text})" if done_text else "")])
