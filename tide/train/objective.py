@@ -13,11 +13,10 @@ tokens ``x_t``, test-time training (TTT) unrolls ``L`` draft steps:
 The same unroll, with argmax instead of the loss, gives the simulated acceptance length: the chain
 of draft positions accepted under greedy verification (``simulated_acceptance``).
 
-Cost on CPU (what a retrain's wall-time cap buys): step 0 runs every position, steps >= 1 only the
-positions whose drafts can reach a loss position (``needed_rows``), and each teacher distribution
-is computed once per batch. On captured code traffic (a third of the positions generated) that
-made a training step 1.5x faster than unrolling every position (1.3x on the static recipe's chat
-data), with the same loss and gradients.
+Cost on CPU (what a retrain's wall-time cap buys): only step 0's q/k/v projection runs at every
+position; everything else runs only where a draft can reach a loss position (``needed_rows``),
+and each teacher distribution is computed once per batch. Same loss and gradients as unrolling
+every position; the speed-up grows with the share of prompt positions (figures in the README).
 """
 from __future__ import annotations
 
@@ -106,8 +105,9 @@ def unroll(drafter: Eagle3Drafter, embed: torch.Tensor, batch: Batch, length: in
            rows: Rows | None = None):
     """Yield (step, draft logits [n, Vd] (or the hidden stream [n, H] if not ``logits``), rows).
 
-    Step 0 runs every position (its keys are what later positions attend to); steps >= 1 run only
-    ``rows`` (default ``needed_rows``), so prompt positions cost one step, not ``length``. The
+    Step 0 projects q/k/v at every position (its keys are what later positions attend to); the rest
+    of step 0 and all of steps >= 1 run only ``rows`` (default ``needed_rows``), so a prompt
+    position costs a q/k/v projection, not ``length`` layer passes. The
     attention itself stays dense: queries and diagonal keys of the kept rows are scattered into
     [B, T] layouts (zeros elsewhere, whose outputs are never read).
     """
@@ -136,10 +136,9 @@ def unroll(drafter: Eagle3Drafter, embed: torch.Tensor, batch: Batch, length: in
         keys.append(k.transpose(1, 2).repeat_interleave(rep, dim=1))
         values.append(v.transpose(1, 2).repeat_interleave(rep, dim=1))
         out = _ttt_attention(q.transpose(1, 2), keys, values, causal).transpose(1, 2).reshape(bsz, t, -1)
-        if step == 0:
-            hidden = layer.finish(hidden, out)[rows.b, rows.t]
-        else:
-            hidden = layer.finish(hidden, out[rows.b, rows.t])
+        if step == 0:  # every position's keys are in; the rest of the layer runs on the kept rows only
+            hidden = hidden[rows.b, rows.t]
+        hidden = layer.finish(hidden, out[rows.b, rows.t])
         yield step, drafter.logits(hidden) if logits else hidden, rows
 
 

@@ -69,3 +69,24 @@ def test_wall_time_cap_shrinks_the_schedule_and_stops_annealed(tiny_target, tiny
     planned = 30 * len(trainer_mod.make_batches(samples, 512, 256))
     assert planned > 20 and 8 <= result.steps <= 12, (planned, result.steps)
     assert lrs[-1] < 0.2 * max(lrs)  # annealed (the floor is 10% of the peak)
+
+
+def test_wall_time_cap_is_re_estimated_once_steps_settle(tiny_target, tiny_drafter, monkeypatch):
+    """Slow first steps (2 s, warm-up) then 1 s steps under a 60 s cap: the estimate after 5 steps
+    (30 steps fit) is revised after 20 (25 s spent: 48 fit), so the run uses its cap."""
+    import tide.train.trainer as trainer_mod
+
+    readings = iter(range(10**6))
+
+    def clock() -> float:
+        n = next(readings)  # ~one reading per step
+        return float(2 * n if n <= 5 else 10 + (n - 5))
+
+    monkeypatch.setattr(trainer_mod.time, "monotonic", clock)
+    samples = _samples(tiny_target)
+    drafter = copy.deepcopy(tiny_drafter)
+    result = train(drafter, tiny_target.embed_weight, tiny_target.lm_head_weight, samples, epochs=100,
+                   lr=1e-3, batch_tokens=512, max_len=256, ttt_length=1, step_weight=0.8, progress=False,
+                   max_wall_s=60)
+    assert 100 * len(trainer_mod.make_batches(samples, 512, 256)) > 60
+    assert 44 <= result.steps <= 50, result.steps
