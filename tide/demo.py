@@ -14,6 +14,7 @@ Steps:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,13 +88,19 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     try:
         before_prompts = _load(before, "heldout", settings.before_requests + settings.compare_prompts, 11)
         after_prompts = _load(after, "train", settings.shift_max_requests, 12)
+        printed: dict[int, int] = {}  # per traffic phase: the request count last reported
+        printed_lock = threading.Lock()
+
         def status(res: TrafficResult, version: str) -> None:
             """Every 10 requests: traffic, live acceptance of the serving drafter, capture, retrain."""
-            if res.sent % 10 == 0:
-                live = sampler.recent(version)
-                accept = f"{live:.2f} tokens/forward" if live is not None else "-"
-                _say(f"  {res.sent} requests, {res.failed} failed | drafter {version}: {accept} (last 30 s) | "
-                     + loop_status(stack.endpoints["ingest metrics"], stack.endpoints["scheduler metrics"]))
+            with printed_lock:  # requests finish on several threads: report each tenth once
+                if res.sent // 10 <= printed.get(id(res), 0) // 10:
+                    return
+                printed[id(res)] = sent = res.sent
+            live = sampler.recent(version)
+            accept = f"{live:.2f} tokens/forward" if live is not None else "-"
+            _say(f"  {sent} requests, {res.failed} failed | drafter {version}: {accept} (last 30 s) | "
+                 + loop_status(stack.endpoints["ingest metrics"], stack.endpoints["scheduler metrics"]))
 
         _say(f"phase 1: {settings.before_requests} '{before}' requests (drafter {static_version})")
         r1 = replay(url, before_prompts[settings.compare_prompts:], settings.concurrency, settings.max_tokens,
