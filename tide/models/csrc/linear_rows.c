@@ -6,7 +6,7 @@
  * rows is read from memory once, then stays in L1 while every row of x (two at a time) uses it.
  *
  * The first pass over a group also prefetches the group PREFETCH_GROUPS ahead, so later passes
- * (rows 3.., computed from L1) overlap the memory stream instead of stalling it: 12-20% faster for
+ * (rows 3.., computed from L1) overlap the memory stream instead of stalling it: 8-20% faster for
  * 1..8 rows in a C microbenchmark over 135M float32 weights on this machine.
  *
  * Batch invariance: every (m, n) is summed in the same order whatever M is (8-wide FMA lanes over
