@@ -59,8 +59,12 @@ def test_ttt_unroll_matches_specforge_cache_hidden(pair):
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(2, 9, 3 * ours.shape.target_hidden_size, generator=g)
     ids = torch.randint(0, ours.shape.vocab_size, (2, 9), generator=g)
+    # a partial loss mask: our unroll computes steps >= 1 only where a draft can reach it
+    loss_mask = torch.zeros(2, 9)
+    loss_mask[0, 6:] = 1
+    loss_mask[1, 2:4] = 1
     batch = Batch(tokens=ids, aux=aux, final=torch.zeros(2, 9, ours.shape.hidden_size),
-                  loss_mask=torch.ones(2, 9), in_vocab=torch.ones(2, 9, dtype=torch.bool))
+                  loss_mask=loss_mask, in_vocab=torch.ones(2, 9, dtype=torch.bool))
     with torch.no_grad():
         cache_hidden, h, cur, refs = [[], []], sf.project_hidden_states(aux), padding(ids, left=False), []
         mask = _sf_mask(sf, h)
@@ -69,5 +73,6 @@ def test_ttt_unroll_matches_specforge_cache_hidden(pair):
             refs.append(sf.compute_logits(h))
             cur = padding(cur, left=False)
         for step, logits, rows in unroll(ours, embed, batch, 3):
+            assert 0 < rows.t.numel() < 2 * 9
             ref = refs[step][rows.b, rows.t]
             assert torch.allclose(logits, ref, atol=1e-5), (step, (logits - ref).abs().max())
