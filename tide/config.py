@@ -249,6 +249,10 @@ class ScheduleConfig:
     cooldown_s: float = 1800.0  # after a successful retrain, wait at least this long
     job_timeout_s: float = 3600.0  # a retrain running longer is killed and recorded timed_out
     kill_grace_s: float = 10.0  # SIGTERM -> SIGKILL of a local job's process group
+    # on shutdown, kill a running retrain and record it "cancelled" instead of leaving it to the
+    # next scheduler. Off for a long-lived scheduler (a retrain outlives its restarts); the local
+    # stack (`tide up`/`tide demo`) turns it on: it stops the MLflow the retrain would report to
+    cancel_on_stop: bool = False
     backoff_base_s: float = 60.0  # after n consecutive failures wait base * 2**(n-1) s ...
     backoff_max_s: float = 3600.0  # ... at most this long
     launcher: str = "local"  # local | kubernetes

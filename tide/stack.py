@@ -121,7 +121,9 @@ class Stack:
             "server": {"port": ports["engine"], "control_token": token},
             "capture": {"enabled": True, "bootstrap_servers": bootstrap},
             "ingest": {"bootstrap_servers": bootstrap, "data_dir": data_dir, "metrics_port": ports["ingest"]},
-            "schedule": {"metrics_port": ports["scheduler"]},
+            # the stack owns its retrains: one left running would report to a stopped MLflow
+            # (and, in the demo, compete with the controlled comparison for the CPU)
+            "schedule": {"metrics_port": ports["scheduler"], "cancel_on_stop": True},
             "registry": {"tracking_uri": tracking},
         }
         for section, values in self.opts.overrides.items():

@@ -5,7 +5,8 @@ and the state file → build the launcher (local process or Kubernetes Job) → 
 /health → tick every ``schedule.interval_s`` until SIGTERM/SIGINT → stop scheduling (a tick in
 progress finishes) → close.
 
-On shutdown a running retrain is NOT stopped or waited for: a retrain takes minutes to hours,
+On shutdown a running retrain is NOT stopped or waited for (unless ``schedule.cancel_on_stop``,
+which the local stack sets: it stops MLflow too): a retrain takes minutes to hours,
 longer than any termination grace period. A local job runs in its own session and survives; the
 state file records its pid and start time, and the next scheduler re-adopts it (polls it, enforces
 its deadline, records its outcome) instead of launching another. A Kubernetes Job is re-adopted
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = service.start("scheduler", args.config, {"ingest": {"data_dir": args.data_dir}}, args.log_level,
-                            stop_note="stopping the scheduler (running retrains keep running)")
+                            stop_note="stopping the scheduler")
     if started is None:
         return 2
     cfg, stop = started
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                  launcher.kind, state_path)
         stop.wait()
     finally:
-        scheduler.stop()
+        scheduler.stop(cancel_running=scfg.cancel_on_stop)
         if server is not None:
             server.close()
         index.close()

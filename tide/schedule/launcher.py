@@ -31,7 +31,7 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a job ended. ``status``: succeeded | failed | timed_out."""
+    """How a job ended. ``status``: succeeded | failed | timed_out | cancelled."""
 
     status: str
     reason: str

@@ -126,7 +126,9 @@ class RetrainScheduler:
             run_id=None if result.get("run_id") is None else str(result["run_id"]))
         state.running = None
         state.history = [*state.history, record][-max(1, self.cfg.history_max_jobs):]
-        if outcome.succeeded:
+        if outcome.status == "cancelled":  # stopped on purpose: no backoff for the next one
+            log.warning("retrain %s cancelled (%s)", job.job_id, outcome.reason)
+        elif outcome.succeeded:
             state.last_success = record
             state.consecutive_failures = 0
             state.last_failure_at_s = None
@@ -214,11 +216,22 @@ class RetrainScheduler:
                           misfire_grace_time=None, next_run_time=datetime.now(timezone.utc))
         self._aps.start()
 
-    def stop(self) -> None:
-        """Stop scheduling; waits for a tick in progress. Running retrains are left running."""
+    def stop(self, cancel_running: bool = False) -> None:
+        """Stop scheduling; waits for a tick in progress. A running retrain is left running (the
+        next scheduler adopts it) unless ``cancel_running``: then it is killed and recorded."""
         if self._aps is not None:
             self._aps.shutdown(wait=True)
             self._aps = None
+        if not cancel_running:
+            return
+        with self.store.transaction() as state:
+            job = state.running
+            if job is None or job.launcher != self.launcher.kind:
+                return
+            if job.handle is not None:
+                log.warning("retrain %s: cancelling it (schedule.cancel_on_stop)", job.job_id)
+                self.launcher.kill(job.handle)
+            self._finish(state, Outcome("cancelled", "scheduler stopped with cancel_on_stop"), self.clock())
 
 
 def default_state_path(cfg: Any) -> Path:

@@ -147,3 +147,24 @@ def test_switching_launcher_under_a_running_job_is_refused(kit):
     ok, details = sched.health()
     assert not ok and "switch back" in details["last_error"]
     assert store.load().running.job_id == "k" and kit.launched() == []  # nothing lost or launched
+
+
+def test_stop_leaves_a_retrain_running_unless_asked_to_cancel_it(kit, until):
+    clock = Clock()
+    sched = _scheduler(kit, clock)
+    kit.add_file(tokens=1000)
+    kit.set_control("hang")
+    assert sched.tick().launch
+    first = until(lambda: kit.launched(), what="stub start")[0]
+    sched.stop()  # a long-lived scheduler's restart: the next one adopts the job
+    assert process_alive(first["pid"]) and sched.store.load().running is not None
+
+    sched.stop(cancel_running=True)  # the local stack's stop: kill it and say so
+    state = sched.store.load()
+    assert state.running is None and state.history[-1].status == "cancelled"
+    assert state.consecutive_failures == 0 and state.last_failure_at_s is None
+    assert not process_alive(first["pid"])
+    until(lambda: not process_alive(first["grandchild"]), what="grandchild gone")
+    kit.set_control("ok")
+    assert sched.tick().launch  # no backoff after a cancel
+    assert _run_to_end(sched, until).last_success is not None
