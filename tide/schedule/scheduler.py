@@ -228,9 +228,15 @@ class RetrainScheduler:
             job = state.running
             if job is None or job.launcher != self.launcher.kind:
                 return
-            if job.handle is not None:
-                log.warning("retrain %s: cancelling it (schedule.cancel_on_stop)", job.job_id)
-                self.launcher.kill(job.handle)
+            try:
+                # a crash mid-launch leaves no handle: the job may still exist under its id
+                handle = job.handle if job.handle is not None else self.launcher.find(job.job_id)
+                if handle is not None:
+                    log.warning("retrain %s: cancelling it (schedule.cancel_on_stop)", job.job_id)
+                    self.launcher.kill(handle)
+            except Exception:  # noqa: BLE001 - stopping must finish; the next scheduler adopts it
+                log.exception("retrain %s: cannot cancel it; left recorded as running", job.job_id)
+                return
             self._finish(state, Outcome("cancelled", "scheduler stopped with cancel_on_stop"), self.clock())
 
 

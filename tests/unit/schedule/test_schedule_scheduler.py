@@ -168,3 +168,27 @@ def test_stop_leaves_a_retrain_running_unless_asked_to_cancel_it(kit, until):
     kit.set_control("ok")
     assert sched.tick().launch  # no backoff after a cancel
     assert _run_to_end(sched, until).last_success is not None
+
+
+def test_a_cancel_that_fails_leaves_the_retrain_recorded_for_the_next_scheduler(kit, until):
+    clock = Clock()
+    sched = _scheduler(kit, clock)
+    kit.add_file(tokens=1000)
+    kit.set_control("hang")
+    assert sched.tick().launch
+    first = until(lambda: kit.launched(), what="stub start")[0]
+
+    def refuse(handle):  # e.g. the Kubernetes API server is unreachable during shutdown
+        raise ConnectionError("api server unreachable")
+
+    real_kill, sched.launcher.kill = sched.launcher.kill, refuse
+    sched.stop(cancel_running=True)  # returns: the service's finally must go on closing
+    state = sched.store.load()
+    assert state.running is not None and state.running.handle is not None
+    assert state.history == [] or state.history[-1].status != "cancelled"
+    assert process_alive(first["pid"])
+    sched.launcher.kill = real_kill
+    successor = _scheduler(kit, clock)
+    successor.stop(cancel_running=True)
+    assert successor.store.load().history[-1].status == "cancelled"
+    assert not process_alive(first["pid"])
