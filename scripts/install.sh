@@ -26,4 +26,17 @@ if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
     echo "install.sh: no C compiler; the engine will use torch's kernels (install gcc for the faster path)" >&2
   fi
 fi
+# Prometheus (Debian package): `tide up` runs it as the local dashboard, and the unit tests run
+# promtool over dashboards/. Without it the stack runs with the dashboard off.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+           --no-install-recommends prometheus >/dev/null; }; } \
+      || echo "install.sh: could not install prometheus; tide up runs without its dashboard" >&2
+  else
+    echo "install.sh: no prometheus; install the Debian package for the dashboard and its tests" >&2
+  fi
+fi
+
 python3 -c 'from tide.models.rowkernel import load; k = load(); print("row kernel:", k.path if k else "unavailable (torch kernels)")' 

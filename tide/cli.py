@@ -94,8 +94,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stack = Stack(StackOptions(cfg.home_path, args.bootstrap_servers or "", args.tracking_uri or "",
-                               args.data_dir or "", args.durable_broker))
-    print("starting TIDE (broker, MLflow, engine, ingest, scheduler) ...", flush=True)
+                               args.data_dir or "", args.durable_broker, prometheus=not args.no_prometheus))
+    print("starting TIDE (broker, MLflow, engine, ingest, scheduler, Prometheus) ...", flush=True)
     stack.start()
     try:
         print("TIDE is up:\n" + stack.describe() + "\nCtrl-C stops everything.", flush=True)
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", help="use this MLflow instead of starting a local server")
     p.add_argument("--data-dir", help="Parquet dataset folder (default <home>/dataset)")
     p.add_argument("--durable-broker", action="store_true", help="tansu on S3 (SeaweedFS) instead of memory")
+    p.add_argument("--no-prometheus", action="store_true", help="do not start the local Prometheus (dashboard)")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("demo", help="the main job: the drafter adapts to a workload shift, end to end")

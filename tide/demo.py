@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from tide import workloads
+from tide import prometheus, workloads
 from tide.report import compare, plot_acceptance, write_summary
 from tide.stack import Stack, StackOptions
 from tide.metrics import SCHED_RETRAINS_FINISHED
@@ -145,6 +145,7 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     finally:
         sampler.stop()
         adapted = _champion(url) if stack.services else static_version
+        summary["dashboard"] = _dashboard(stack, time.monotonic() - t_start)
         adapted_folder = (_download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
                           if adapted != static_version else None)  # no swap happened: nothing adapted to compare
         stack.stop()
@@ -171,6 +172,19 @@ def _versions(stack: Stack) -> list[dict]:
                 for v in Registry.from_config(cfg).list_versions(with_run=False)]
     except Exception as exc:  # reported, not fatal: the report still gets written
         return [{"error": str(exc)}]
+
+
+def _dashboard(stack: Stack, window_s: float) -> dict:
+    """What the operator's dashboard showed: acceptance length by drafter version, as recorded by
+    the stack's Prometheus over the run (``dashboards/prometheus-rules.yml``)."""
+    base = stack.endpoints.get("prometheus")
+    if base is None:
+        return {"prometheus": stack.endpoints.get("dashboard", "off")}
+    try:
+        by_version = prometheus.accept_length_by_version(base, window_s)
+    except Exception as exc:  # reported, not fatal: the report still gets written
+        return {"prometheus": base, "error": str(exc)}
+    return {"prometheus": base, "series": prometheus.ACCEPT_SERIES, "accept_length_by_version": by_version}
 
 
 def _traffic(r: TrafficResult) -> dict:

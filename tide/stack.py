@@ -6,12 +6,16 @@ Start order (each waits healthy before the next; stop is the reverse):
 3. engine: target + drafter following the registry's ``champion`` (static drafter bootstrapped),
    capture on, OpenAI-compatible HTTP, ``/metrics``;
 4. ingest: Kafka → Parquet dataset;
-5. scheduler: launches retrains when enough new samples arrived.
+5. scheduler: launches retrains when enough new samples arrived;
+6. Prometheus (when the ``prometheus`` binary is installed; scripts/install.sh installs it):
+   scrapes the three services and evaluates ``dashboards/prometheus-rules.yml``; its graph of
+   acceptance length by drafter version is the local dashboard.
 The resolved configuration is written to ``<home>/run/tide.yaml`` and passed to every service,
 so each part can be pointed at an external service instead by editing one file.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 import time
@@ -20,7 +24,10 @@ from pathlib import Path
 
 import yaml
 
+from tide import prometheus
 from tide.process import REPO_ROOT, ServiceProcess, free_port, python_service
+
+log = logging.getLogger(__name__)
 
 
 def _tcp_ready(port: int) -> bool:
@@ -37,6 +44,7 @@ class StackOptions:
     data_dir: str = ""
     durable_broker: bool = False
     overrides: dict = field(default_factory=dict)  # extra config sections (demo settings)
+    prometheus: bool = True  # start a local Prometheus when the binary is installed
 
 
 @dataclass
@@ -75,6 +83,7 @@ class Stack:
                 "kafka": bootstrap, "mlflow": tracking,
                 "data": str(Path(cfg["ingest"]["data_dir"])), "logs": str(logs),
                 "config": str(self.config_path)})
+            self._start_prometheus(logs, ports)
             self.control_token = token
         except BaseException:
             self.stop()
@@ -112,6 +121,23 @@ class Stack:
                              health_url=f"http://127.0.0.1:{port}/health")
         self._run(svc, timeout_s=180)
         return f"http://127.0.0.1:{port}"
+
+    def _start_prometheus(self, logs: Path, ports: dict[str, int]) -> None:
+        exe = prometheus.binary() if self.opts.prometheus else None
+        if exe is None:
+            self.endpoints["dashboard"] = ("off (no prometheus binary; scripts/install.sh installs it)"
+                                           if self.opts.prometheus else "off")
+            return
+        try:
+            svc, base = prometheus.start(exe, self.opts.home, logs / "prometheus.log",
+                                         {f"tide-{name}": f"127.0.0.1:{p}" for name, p in ports.items()})
+        except Exception as exc:  # noqa: BLE001 - the loop runs without its dashboard
+            log.warning("prometheus did not start (%s); the dashboard is off", exc)
+            self.endpoints["dashboard"] = f"off (prometheus did not start; see {logs / 'prometheus.log'})"
+            return
+        self.services.append(svc)
+        self.endpoints["prometheus"] = base
+        self.endpoints["dashboard"] = prometheus.graph_url(base)
 
     def _config(self, bootstrap: str, tracking: str, ports: dict[str, int], token: str) -> dict:
         home = self.opts.home

@@ -47,3 +47,9 @@ def test_quick_demo_closes_the_loop(tmp_path):
     assert live["after_shift_adapted"] > live["after_shift_static"], live  # ... and it does better live
     ratios = summary["comparison"]["ratios"]  # the controlled comparison ran on both drafters
     assert ratios["code_accept_adapted_over_static"] > 0 and ratios["chat_accept_adapted_over_static"] > 0
+    # the operator's dashboard saw it too: the stack's Prometheus recorded acceptance by version
+    board = summary["dashboard"]
+    assert "error" not in board, board
+    by_version = board["accept_length_by_version"]
+    assert {summary["static_version"], summary["adapted_version"]} <= set(by_version), board
+    assert all(v >= 1.0 for v in by_version.values()), board
