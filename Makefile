@@ -12,7 +12,7 @@ demo: install
 	$(PY) -m tide.cli demo
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
