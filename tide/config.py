@@ -329,7 +329,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return tp(value)
         if origin is tuple:
             if isinstance(value, str):
-                value = [v for v in value.split(",") if v.strip()]
+                value = [v.strip() for v in value.split(",") if v.strip()]  # "a, b" = "a,b"
             (elem,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
             return tuple(_coerce(v, elem, where) for v in value)
         # get_origin(Mapping[...]) is collections.abc.Mapping, not typing.Mapping

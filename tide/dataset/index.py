@@ -77,9 +77,17 @@ def _locked(method):
 
 
 class DatasetIndex:
-    def __init__(self, data_dir: str | Path) -> None:
+    def __init__(self, data_dir: str | Path, read_only: bool = False) -> None:
+        """``read_only``: for readers on a read-only mount (a retrain Job's view of the dataset):
+        never creates, migrates or writes anything; raises sqlite3.Error where SQLite cannot read
+        the index that way (a WAL index no writer holds open), and the caller lists files instead."""
         self._lock = threading.RLock()
         self.data_dir = Path(data_dir)
+        if read_only:
+            uri = (self.data_dir / INDEX_NAME).resolve().as_uri() + "?mode=ro"
+            self._db = sqlite3.connect(uri, uri=True, timeout=30.0, check_same_thread=False,
+                                       isolation_level=None)
+            return
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.data_dir / INDEX_NAME, timeout=30.0,
                                    check_same_thread=False, isolation_level=None)

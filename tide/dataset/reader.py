@@ -12,6 +12,8 @@ Requests whose chunks never all arrive are skipped and counted in ``incomplete``
 """
 from __future__ import annotations
 
+import logging
+import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,8 @@ import torch
 from tide.dataset.index import INDEX_NAME, DatasetIndex
 from tide.dataset.schema import list_files
 from tide.records import hidden_to_float32
+
+log = logging.getLogger(__name__)
 
 _COLUMNS = ["request_id", "target_model_id", "drafter_version", "aux_layer_ids", "workload",
             "started_at_s", "finished_at_s", "position_start", "request_num_tokens",
@@ -62,11 +66,16 @@ class DatasetReader:
         """Files overlapping [since_s, until_s) of capture time, oldest first."""
         if not (self.data_dir / INDEX_NAME).exists():
             return list_files(self.data_dir)
-        index = DatasetIndex(self.data_dir)
         try:
-            chosen = index.files(since_s, until_s, target_model)
-        finally:
-            index.close()
+            index = DatasetIndex(self.data_dir, read_only=True)
+            try:
+                chosen = index.files(since_s, until_s, target_model)
+            finally:
+                index.close()
+        except sqlite3.Error as exc:
+            # the index only narrows the files to read: every row is filtered again below
+            log.warning("dataset index unreadable here (%s); reading every file's rows", exc)
+            return list_files(self.data_dir)
         return [self.data_dir / s.path for s in chosen if (self.data_dir / s.path).exists()]
 
     def samples(self, files: Iterable[Path] | None = None, since_s: float | None = None,

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from tide.dataset.index import DatasetIndex
+from tide.dataset.index import INDEX_NAME, DatasetIndex
 from tide.dataset.reader import DatasetReader
 from tide.records import hidden_to_float32, split
 
@@ -52,3 +52,23 @@ def test_time_window_and_model_filter(tmp_path, helpers):
     assert [s.request_id for s in reader.samples(since_s=t0 + 1)] == ["r1", "r2"]
     assert [s.request_id for s in reader.samples(target_model="a/m")] == ["r0", "r2"]
     assert len(reader.files(until_s=t0 + 7200)) == 1
+
+
+def test_reader_opens_the_index_read_only_and_falls_back_to_the_files(tmp_path, helpers):
+    # a retrain Job mounts the dataset read-only: the reader must not write, and where SQLite
+    # cannot read the index that way, the rows are still all there (filtered row by row)
+    index = DatasetIndex(tmp_path)
+    t0 = 1_700_000_000.0
+    for i in range(3):
+        s, r = helpers.write_file(tmp_path, [helpers.make_record(f"r{i}", at_s=t0 + 7200 * i)], first_offset=i)
+        index.add(s, r)
+    index.close()
+    db = tmp_path / INDEX_NAME
+    assert db.exists(), sorted(p.name for p in tmp_path.iterdir())
+    before = db.read_bytes()
+    reader = DatasetReader(tmp_path)
+    assert len(reader.files(since_s=t0 + 1)) == 2
+    assert db.read_bytes() == before  # nothing written through the reader's connection
+    db.write_bytes(b"not a database" * 100)  # e.g. unreadable on this mount
+    assert len(reader.files()) == 3
+    assert [s.request_id for s in reader.samples(since_s=t0 + 1)] == ["r1", "r2"]
