@@ -48,3 +48,10 @@ def test_secrets_redacted_in_logged_config():
 def test_plain_tide_env_markers_are_not_config():
     cfg = load_config(env={"TIDE_RETRAIN_JOB_ID": "x", "TIDE_RETRAIN_STATE_PATH": "/tmp/s", "TIDE_SPEC__DRAFT_LEN": "2"})
     assert cfg.spec.draft_len == 2
+
+
+def test_env_lists_and_maps():
+    cfg = load_config(env={"TIDE_SCHEDULE__K8S_TOLERATIONS": "gpu:NoSchedule, pool=training:NoSchedule ,",
+                           "TIDE_SCHEDULE__K8S_NODE_SELECTOR": '{"amd.com/gpu.present": "true"}'})
+    assert cfg.schedule.k8s_tolerations == ("gpu:NoSchedule", "pool=training:NoSchedule")
+    assert dict(cfg.schedule.k8s_node_selector) == {"amd.com/gpu.present": "true"}
