@@ -72,7 +72,7 @@ class Stack:
             self._run(python_service("engine", "services/engine/main.py", conf, logs, env,
                                      f"http://127.0.0.1:{ports['engine']}/health"), timeout_s=900)
             self._run(python_service("ingest", "services/ingest/main.py", conf, logs, env,
-                                     f"http://127.0.0.1:{ports['ingest']}/metrics"))
+                                     f"http://127.0.0.1:{ports['ingest']}/health"))
             self._run(python_service("scheduler", "services/scheduler/main.py", conf, logs, env,
                                      f"http://127.0.0.1:{ports['scheduler']}/health"))
             self.endpoints.update({

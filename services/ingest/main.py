@@ -1,6 +1,7 @@
 """Ingest service: consumes captured hidden states from Kafka into the Parquet dataset.
 
-Steps: load config (YAML via --config, then TIDE_* environment) → log it → serve /metrics →
+Steps: load config (YAML via --config, then TIDE_* environment) → log it → serve /metrics and
+/health (200 once joined and polling) →
 open the ingestor (clean crash leftovers, reconcile the index, create topics, join the group;
 retried while the broker is unreachable) → consume until SIGTERM/SIGINT → seal and commit open
 files, leave the group.
@@ -33,16 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, stop = started
 
-    from prometheus_client import start_http_server
-
     from tide.dataset.ingest import Ingestor
+    from tide.health_server import HealthServer
 
     icfg = cfg.ingest
     sys.setswitchinterval(icfg.switch_interval_s)
-    if icfg.metrics_port:
-        start_http_server(icfg.metrics_port, addr=icfg.metrics_host)
     data_dir = icfg.data_dir or str(cfg.home_path / "dataset")
     ingestor = Ingestor(icfg, data_dir)
+    http = HealthServer(icfg.metrics_host, icfg.metrics_port, ingestor.health).start() if icfg.metrics_port else None
     try:
         while not stop.is_set():
             try:
@@ -51,12 +50,15 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # broker not up yet: keep trying until told to stop
                 log.warning("cannot start ingest (%s); retrying in 2 s", exc)
                 ingestor.close(flush=False)
+                ingestor.last_error = str(exc)
                 stop.wait(2.0)
         if not stop.is_set():
             log.info("ingesting %s from %s into %s", icfg.topic, icfg.bootstrap_servers, data_dir)
             ingestor.run(stop)
     finally:
         ingestor.close()
+        if http is not None:
+            http.close()
         log.info("ingest closed")
     return 0
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tide.dataset.index import DatasetIndex
     from tide.schedule import RetrainScheduler, StateStore, build_launcher, default_state_path
-    from tide.schedule.health_server import HealthServer
+    from tide.health_server import HealthServer
 
     scfg = cfg.schedule
     data_dir = cfg.ingest.data_dir or str(cfg.home_path / "dataset")

@@ -1,6 +1,7 @@
 """Ingest service SIGKILLed at random points: no partial files, no duplicate and no missing rows."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -128,6 +129,8 @@ def test_sigkill_five_times_no_partial_files_no_duplicates_no_loss(memory_broker
         exposition = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                             timeout=5).read().decode()
         assert 'tide_ingest_commits_total{outcome="ok"}' in exposition
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/health", timeout=5).read())
+        assert health["status"] == "ok" and health["state"] == "consuming", health
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

@@ -133,9 +133,9 @@ def test_containers_run_existing_services_with_accepted_flags():
 
 def _routes() -> dict[str, set[str]]:
     engine = (ROOT / "tide/engine/server.py").read_text()
-    health = (ROOT / "tide/schedule/health_server.py").read_text()
+    health = (ROOT / "tide/health_server.py").read_text()
     return {"engine": set(re.findall(r'@app\.get\("([^"]+)"\)', engine)),
-            "ingest": {"/metrics"},  # prometheus_client.start_http_server: nothing else
+            "ingest": set(re.findall(r'path == "(/[^"]*)"', health)),  # the same HealthServer
             "scheduler": set(re.findall(r'path == "(/[^"]*)"', health))}
 
 

@@ -121,6 +121,8 @@ class Ingestor:
         self._parts: dict[Any, _PartitionState] = {}
         self._seals: deque[_Seal] = deque()
         self._last_retention_s = time.monotonic()
+        self._last_poll_s: float | None = None
+        self.last_error = ""  # why the last open() failed (the service retries it)
 
     # --- lifecycle ------------------------------------------------------------------------------
     def open(self) -> None:
@@ -157,6 +159,7 @@ class Ingestor:
 
     def poll_once(self) -> int:
         """One poll + the flushes, commits and retention it makes due; returns messages handled."""
+        self._last_poll_s = time.monotonic()
         batch = self._consumer.poll(timeout_ms=int(self.config.poll_timeout_s * 1000))
         handled = 0
         for tp, messages in batch.items():
@@ -169,6 +172,16 @@ class Ingestor:
             self._last_retention_s = time.monotonic()
             self.retention()
         return handled
+
+    def health(self) -> tuple[bool, dict]:
+        """Ready = joined and polling: a loop that has not polled for ``max(30 s, 20 polls)``
+        is stuck (a hung flush, a wedged broker call) even though its /metrics still answer."""
+        if self._consumer is None or self._last_poll_s is None:
+            return False, {"state": "connecting", "last_error": self.last_error}
+        age_s = time.monotonic() - self._last_poll_s
+        stalled = age_s > max(30.0, 20 * self.config.poll_timeout_s)
+        return not stalled, {"state": "stalled" if stalled else "consuming", "last_poll_age_s": round(age_s, 1),
+                             "open_partitions": len(self._parts), "seals_in_flight": len(self._seals)}
 
     def close(self, flush: bool = True) -> None:
         """Seal and commit open files (graceful stop), then leave the group."""
@@ -187,6 +200,7 @@ class Ingestor:
             if self.index is not None:
                 self.index.close()
             self._consumer = self._dead_letters = self.index = self._writer = None
+            self._last_poll_s = None
             self._parts.clear()
             self._seals.clear()
 

@@ -1,6 +1,6 @@
-"""A small HTTP server for the scheduler: ``/metrics`` (Prometheus) and ``/health`` (JSON).
+"""A small HTTP server for the scheduler and ingest: ``/metrics`` (Prometheus) and ``/health`` (JSON).
 
-Stdlib ``ThreadingHTTPServer`` on a daemon thread: the scheduler needs two read-only routes, not a
+Stdlib ``ThreadingHTTPServer`` on a daemon thread: these services need two read-only routes, not a
 web framework. ``/health`` answers 200 while the health callable says healthy, else 503, with the
 callable's details as the body either way.
 """
