@@ -76,6 +76,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from tide.dataset.commands import run_data
+
+    return run_data(args, _config(args))
+
+
 def cmd_drafters(args: argparse.Namespace) -> int:
     from tide.ops.commands import run_drafters
 
@@ -173,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tide.ops.commands import add_drafters_parser
     add_drafters_parser(sub, cmd_drafters)
+    from tide.dataset.commands import add_data_parser
+    add_data_parser(sub, cmd_data)
 
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -1,0 +1,63 @@
+"""``tide data ...``: operator commands over the captured-hidden-state dataset (user data).
+
+Verbs: ``stats`` (files, rows, requests, tokens, bytes, capture-time range, from the index),
+``delete REQUEST_ID...`` (rewrite every file holding those requests without their rows: the
+deletion a user's data request asks for), ``retention`` (apply ``ingest.retention_*`` now instead
+of waiting for ingest's next pass). They work on the dataset folder directly, with or without
+ingest running (the index serialises writers; files are replaced by atomic rename).
+
+What deletion does not reach: records still in the Kafka topic (until the topic's own retention
+expires) and a request still being served, whose later chunks are ingested afterwards: delete
+again once it has finished. Drafters already trained on the data are not retrained.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def add_data_parser(sub, fn: Callable[[argparse.Namespace], int]) -> None:
+    p = sub.add_parser("data", help="dataset stats, delete a request's captured data, apply retention")
+    p.add_argument("--data-dir", help="the Parquet dataset (default ingest.data_dir or <home>/dataset)")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("stats", help="files, rows, requests, tokens, bytes, capture-time range")
+    v = verbs.add_parser("delete", help="remove every captured row of these request ids")
+    v.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    verbs.add_parser("retention", help="apply ingest.retention_ttl_s / retention_max_bytes now")
+    p.set_defaults(fn=fn)
+
+
+def run_data(args: argparse.Namespace, cfg) -> int:
+    """Run one verb; prints JSON. Exit 1 when ``delete`` found none of the requests, 2 when
+    there is no dataset at the path."""
+    from tide.dataset.index import INDEX_NAME, DatasetIndex
+    from tide.dataset.retention import apply_retention, delete_request
+
+    data_dir = Path(args.data_dir or cfg.ingest.data_dir or cfg.home_path / "dataset")
+    if not (data_dir / INDEX_NAME).exists():
+        print(f"error: no dataset at {data_dir} (no {INDEX_NAME}); pass --data-dir")
+        return 2
+    index = DatasetIndex(data_dir)
+    try:
+        if args.verb == "stats":
+            out = {"data_dir": str(data_dir), **index.summary()}
+            for key in ("min_time_s", "max_time_s"):
+                if out[key] is not None:
+                    out[key.replace("_s", "_utc")] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(out[key]))
+            print(json.dumps(out, indent=1))
+            return 0
+        if args.verb == "delete":
+            removed = {rid: delete_request(data_dir, rid, index) for rid in args.request_ids}
+            print(json.dumps({"data_dir": str(data_dir), "rows_removed": removed}, indent=1))
+            return 0 if any(removed.values()) else 1
+        if args.verb == "retention":
+            ic = cfg.ingest
+            deleted = apply_retention(data_dir, index, ic.retention_ttl_s, ic.retention_max_bytes)
+            print(json.dumps({"data_dir": str(data_dir), "files_deleted": deleted}, indent=1))
+            return 0
+    finally:
+        index.close()
+    raise AssertionError(args.verb)
