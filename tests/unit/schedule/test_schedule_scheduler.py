@@ -149,13 +149,18 @@ def test_switching_launcher_under_a_running_job_is_refused(kit):
     assert store.load().running.job_id == "k" and kit.launched() == []  # nothing lost or launched
 
 
-def test_stop_leaves_a_retrain_running_unless_asked_to_cancel_it(kit, until):
+def _launch_hanging(kit, until):
+    """A scheduler whose retrain (a stub that ignores SIGTERM) is running; (scheduler, clock, job)."""
     clock = Clock()
     sched = _scheduler(kit, clock)
     kit.add_file(tokens=1000)
     kit.set_control("hang")
     assert sched.tick().launch
-    first = until(lambda: kit.launched(), what="stub start")[0]
+    return sched, clock, until(lambda: kit.launched(), what="stub start")[0]
+
+
+def test_stop_leaves_a_retrain_running_unless_asked_to_cancel_it(kit, until):
+    sched, _, first = _launch_hanging(kit, until)
     sched.stop()  # a long-lived scheduler's restart: the next one adopts the job
     assert process_alive(first["pid"]) and sched.store.load().running is not None
 
@@ -171,12 +176,7 @@ def test_stop_leaves_a_retrain_running_unless_asked_to_cancel_it(kit, until):
 
 
 def test_a_cancel_that_fails_leaves_the_retrain_recorded_for_the_next_scheduler(kit, until):
-    clock = Clock()
-    sched = _scheduler(kit, clock)
-    kit.add_file(tokens=1000)
-    kit.set_control("hang")
-    assert sched.tick().launch
-    first = until(lambda: kit.launched(), what="stub start")[0]
+    sched, clock, first = _launch_hanging(kit, until)
 
     def refuse(handle):  # e.g. the Kubernetes API server is unreachable during shutdown
         raise ConnectionError("api server unreachable")
