@@ -124,6 +124,9 @@ class IngestConfig:
     create_topics: bool = True  # create both topics at start if missing
     topic_partitions: int = 4
     replication_factor: int = 1
+    # retention.ms of the topics ingest creates (existing topics are left alone): captured hidden
+    # states are user data, and the topic only needs to outlive an ingest outage; 0 = broker default
+    topic_retention_ms: int = 24 * 3600 * 1000
     data_dir: str = ""  # empty = <home>/dataset
     # tansu holds a JoinGroup for ~session_timeout/2: keep it short (see KAFKA.md)
     session_timeout_ms: int = 6000

@@ -6,9 +6,10 @@ deletion a user's data request asks for), ``retention`` (apply ``ingest.retentio
 of waiting for ingest's next pass). They work on the dataset folder directly, with or without
 ingest running (the index serialises writers; files are replaced by atomic rename).
 
-What deletion does not reach: records still in the Kafka topic (until the topic's own retention
-expires) and a request still being served, whose later chunks are ingested afterwards: delete
-again once it has finished. Drafters already trained on the data are not retrained.
+What deletion does not reach: records still in the Kafka topic (until ``retention.ms`` expires:
+``ingest.topic_retention_ms`` on the topics ingest creates) and a request still being served,
+whose later chunks are ingested afterwards: delete again once it has finished. Drafters already
+trained on the data are not retrained.
 """
 from __future__ import annotations
 

@@ -51,20 +51,26 @@ from tide.records import RecordError, decode
 log = logging.getLogger(__name__)
 
 
+def wanted_topics(config: IngestConfig) -> list:
+    """The data and dead-letter topics as ingest creates them (NewTopic specs)."""
+    from kafka.admin import NewTopic
+
+    topic_configs = {"retention.ms": str(config.topic_retention_ms)} if config.topic_retention_ms > 0 else {}
+    return [NewTopic(config.topic, config.topic_partitions, config.replication_factor, topic_configs=topic_configs),
+            NewTopic(config.dead_letter_topic, 1, config.replication_factor, topic_configs=topic_configs)]
+
+
 def ensure_topics(config: IngestConfig) -> None:
     """Create the data and dead-letter topics if missing (explicitly: auto-created topics get
-    whatever partition count the broker likes)."""
+    whatever partition count and retention the broker likes)."""
     from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
     admin = KafkaAdminClient(bootstrap_servers=config.bootstrap_servers.split(","),
                              client_id="tide-ingest-admin")
     try:
         existing = set(admin.list_topics())
-        wanted = [NewTopic(config.topic, config.topic_partitions, config.replication_factor),
-                  NewTopic(config.dead_letter_topic, 1, config.replication_factor)]
-        missing = [t for t in wanted if t.name not in existing]
+        missing = [t for t in wanted_topics(config) if t.name not in existing]
         if missing:
             try:
                 admin.create_topics(missing)
