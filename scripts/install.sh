@@ -28,7 +28,8 @@ if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
 fi
 # Prometheus (Debian package): `tide up` runs it as the local dashboard, and the unit tests run
 # promtool over dashboards/. Without it the stack runs with the dashboard off.
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+# TIDE_SKIP_PROMETHEUS=1 skips it (the service image: production has its own Prometheus).
+if [ "${TIDE_SKIP_PROMETHEUS:-0}" != 1 ] && { ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; }; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
       || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
