@@ -28,7 +28,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.online:
         from tide.train.online import run_cli
-        return run_cli(cfg, args.result_json, progress=sys.stderr.isatty())
+        return run_cli(cfg, args.result_json, progress=sys.stderr.isatty(), summary_json=args.summary_json)
     if args.export_specforge:
         from tide.train.online import export_window
         manifest = export_window(cfg, Path(args.export_specforge))
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--online", action="store_true",
                    help="one retrain from the captured dataset: warm start from the champion, register a challenger")
     p.add_argument("--result-json", help="(--online) write status/version/run_id/metrics here")
+    p.add_argument("--summary-json", help="(--online) also write status/version/run_id/reason here "
+                                          "(a Kubernetes Job's termination message)")
     p.add_argument("--export-specforge", metavar="DIR",
                    help="write the current training window in SpecForge's offline format")
     # accepted after the verb too (the scheduler appends them); SUPPRESS keeps a value given before it

@@ -87,11 +87,13 @@ def run_job(config: Path, result: Path, timeout_s: float = 400) -> tuple[int, di
 
 def test_too_few_samples_is_nothing_to_do(tmp_path, tiny_setup):
     home, config = make_home(tmp_path, tiny_setup, 6)
-    result = tmp_path / "result.json"
-    assert run_cli(load_config(config), str(result)) == 0
+    result, summary = tmp_path / "result.json", tmp_path / "termination-log"
+    assert run_cli(load_config(config), str(result), summary_json=str(summary)) == 0
     payload = json.loads(result.read_text())
     assert payload["status"] == NOTHING_TO_DO and payload["version"] is None
     assert "need 8" in payload["reason"]
+    # what a Kubernetes Job leaves in its termination message for the scheduler
+    assert json.loads(summary.read_text()) == {k: payload[k] for k in ("status", "version", "run_id", "reason")}
     assert Registry.from_config(load_config(config)).list_versions(include_incomplete=True) == []
 
 

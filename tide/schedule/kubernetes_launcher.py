@@ -8,13 +8,16 @@ the manifest and the status rules are tested without a cluster. The Job:
   ``Failed``/``DeadlineExceeded`` -> timed_out) and deleted ``ttlSecondsAfterFinished`` later;
 - lands on the training pool through node selector and tolerations, asks for
   ``k8s_gpu_count`` of ``k8s_gpu_resource`` (``nvidia.com/gpu``, ``amd.com/gpu``, ...);
-- carries labels that let a restarted scheduler (or one whose state file was lost) find it.
+- carries labels that let a restarted scheduler (or one whose state file was lost) find it;
+- writes its summary (status, version, run id, reason) to its termination message, which the
+  scheduler reads from the pod's status once the Job has finished (``summary_from_pods``).
 The Job's name derives from the job id alone, so a launch interrupted before the scheduler saved
 its handle is found again by name.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any, Mapping
 
@@ -26,6 +29,8 @@ MANAGED_BY = "tide-scheduler"
 LABEL_JOB_ID = "tide.dev/job-id"
 CONFIG_MOUNT = "/etc/tide"
 RESULT_PATH_IN_POD = "/tmp/tide-retrain-result.json"
+# the container's default terminationMessagePath: Kubernetes copies it into the pod's status
+TERMINATION_LOG = "/dev/termination-log"
 _API_TIMEOUT_S = 30
 
 
@@ -82,13 +87,15 @@ def build_job(sc: Any, job_id: str, env: Mapping[str, str]):
                 claim_name=sc.k8s_data_pvc, read_only=True)))
         mounts.append(client.V1VolumeMount(name="dataset", mount_path=sc.k8s_data_mount_path,
                                            read_only=True))
-    argv += ["--result-json", RESULT_PATH_IN_POD]
+    argv += ["--result-json", RESULT_PATH_IN_POD, "--summary-json", TERMINATION_LOG]
     limits = {"cpu": sc.k8s_cpu, "memory": sc.k8s_memory}
     if sc.k8s_gpu_count > 0:
         limits[sc.k8s_gpu_resource] = str(sc.k8s_gpu_count)
     container = client.V1Container(
         name="retrain", image=sc.k8s_image, image_pull_policy=sc.k8s_image_pull_policy,
         command=argv,
+        # a crash before the summary is written leaves the log's tail as the message instead
+        termination_message_policy="FallbackToLogsOnError",
         env=[client.V1EnvVar(name=k, value=str(v))
              for k, v in sorted({**env, ENV_JOB_ID: job_id}.items())],
         resources=client.V1ResourceRequirements(
@@ -129,13 +136,33 @@ def interpret_job_status(job: Any) -> Outcome | None:
     return None
 
 
+def summary_from_pods(pods: Any) -> tuple[dict, str]:
+    """The retrain's summary from its pods (a V1PodList): the newest pod's ``retrain`` container
+    termination message, parsed. Returns (summary, '') or ({}, what was found instead)."""
+    items = sorted(pods.items or [], key=lambda p: p.metadata.creation_timestamp or 0)
+    for pod in reversed(items):
+        for status in (pod.status.container_statuses or []) if pod.status is not None else []:
+            terminated = status.state.terminated if status.name == "retrain" and status.state else None
+            if terminated is None or not terminated.message:
+                continue
+            try:
+                summary = json.loads(terminated.message)
+            except ValueError:
+                return {}, f"pod {pod.metadata.name}: {terminated.message.strip()[-300:]}"
+            if isinstance(summary, dict) and "status" in summary:
+                return summary, ""
+            return {}, f"pod {pod.metadata.name}: termination message has no 'status'"
+    return {}, "no terminated retrain container found"
+
+
 class KubernetesLauncher:
     kind = "kubernetes"
 
-    def __init__(self, sc: Any, env: Mapping[str, str], api: Any = None) -> None:
+    def __init__(self, sc: Any, env: Mapping[str, str], api: Any = None, core: Any = None) -> None:
         self.sc = sc
         self.env = dict(env)
         self._api = api
+        self._core = core
         build_job(sc, "config-check", self.env)  # a bad toleration fails at start, not per launch
 
     @property
@@ -149,6 +176,15 @@ class KubernetesLauncher:
                 config.load_kube_config()
             self._api = client.BatchV1Api()
         return self._api
+
+    @property
+    def core(self):
+        if self._core is None:
+            from kubernetes import client
+
+            _ = self.api  # loads the cluster configuration once
+            self._core = client.CoreV1Api()
+        return self._core
 
     def _handle(self, job_id: str) -> dict:
         return {"name": job_name(self.sc.k8s_job_name_prefix, job_id),
@@ -182,7 +218,19 @@ class KubernetesLauncher:
         job = self._read(handle)
         if job is None:
             return Outcome("failed", "Job disappeared before it was seen finishing")
-        return interpret_job_status(job)
+        outcome = interpret_job_status(job)
+        if outcome is None:
+            return None
+        try:  # version and run id for the scheduler's history; the Job's status decides the outcome
+            pods = self.core.list_namespaced_pod(handle["namespace"], label_selector=f"job-name={handle['name']}",
+                                                 _request_timeout=_API_TIMEOUT_S)
+            summary, found = summary_from_pods(pods)
+        except Exception as exc:  # noqa: BLE001 - the outcome stands without its summary
+            summary, found = {}, f"pods unreadable ({exc})"
+        if found:
+            log.warning("retrain Job %s: no result summary (%s)", handle["name"], found)
+        detail = summary.get("reason") or found
+        return Outcome(outcome.status, outcome.reason + (f"; {detail}" if detail else ""), result=summary)
 
     def kill(self, handle: Mapping[str, Any]) -> None:
         from kubernetes.client.exceptions import ApiException

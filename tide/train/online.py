@@ -61,6 +61,11 @@ class RetrainResult:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> dict:
+        """What the scheduler records, small enough for a Kubernetes termination message (4 KiB)."""
+        return {"status": self.status, "version": self.version, "run_id": self.run_id,
+                "reason": self.reason[:1000]}
+
 
 def data_dir_of(cfg) -> Path:
     chosen = cfg.train.data_dir or cfg.ingest.data_dir
@@ -252,9 +257,10 @@ def export_window(cfg, out_dir: Path, include_heldout: bool = False) -> dict:
                             max_seq_len=cfg.train.max_seq_len)
 
 
-def run_cli(cfg, result_json: str | None, progress: bool = False) -> int:
+def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: str | None = None) -> int:
     """``tide train --online``: exit 0 when a version was registered or there was nothing to do,
-    1 on failure, 143 on SIGTERM; the result JSON is written in every case."""
+    1 on failure, 143 on SIGTERM; the result JSON is written in every case, and the summary
+    (status, version, run id, reason) to ``summary_json`` (a Job's ``/dev/termination-log``)."""
     def on_term(signum, frame):
         raise RetrainInterrupted(f"signal {signum}")
 
@@ -276,5 +282,7 @@ def run_cli(cfg, result_json: str | None, progress: bool = False) -> int:
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(payload)
         os.replace(tmp, path)
+    if summary_json:  # written in place: a termination log cannot be replaced by rename
+        Path(summary_json).write_text(json.dumps(result.summary(), default=str))
     print(payload, file=sys.stdout)
     return code

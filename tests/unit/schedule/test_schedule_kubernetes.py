@@ -10,7 +10,7 @@ from kubernetes import client
 
 from tide.config import ScheduleConfig, load_config
 from tide.schedule.kubernetes_launcher import (build_job, interpret_job_status, job_env, job_name,
-                                               parse_toleration)
+                                               parse_toleration, summary_from_pods)
 
 
 def _sc(**kw) -> ScheduleConfig:
@@ -56,7 +56,9 @@ def test_container_command_resources_env_and_volumes():
     assert c["image"] == "registry/tide:1.2"
     assert c["command"] == ["python", "-m", "tide.cli", "train", "--online",
                             "--config", "/etc/tide/config.yaml",
-                            "--result-json", "/tmp/tide-retrain-result.json"]
+                            "--result-json", "/tmp/tide-retrain-result.json",
+                            "--summary-json", "/dev/termination-log"]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert c["resources"]["limits"] == {"cpu": "8", "memory": "64Gi", "amd.com/gpu": "2"}
     assert "amd.com/gpu" not in c["resources"]["requests"]
     env = {e["name"]: e["value"] for e in c["env"]}
@@ -126,3 +128,26 @@ def test_launcher_rejects_bad_config_before_any_launch():
 
     with pytest.raises(ValueError, match="k8s_tolerations"):
         KubernetesLauncher(_sc(k8s_tolerations=("gpu",)), {})
+
+
+def _pod(name, created_s, message=None, container="retrain"):
+    import datetime
+
+    state = client.V1ContainerState(terminated=client.V1ContainerStateTerminated(exit_code=0, message=message))
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, creation_timestamp=datetime.datetime.fromtimestamp(
+            created_s, datetime.timezone.utc)),
+        status=client.V1PodStatus(container_statuses=[client.V1ContainerStatus(
+            name=container, state=state, image="i", image_id="", ready=False, restart_count=0)]))
+
+
+def test_summary_comes_from_the_newest_pods_termination_message():
+    ok = '{"status": "registered", "version": 7, "run_id": "abc", "reason": ""}'
+    summary, found = summary_from_pods(client.V1PodList(items=[
+        _pod("new", 200, ok), _pod("old", 100, '{"status": "failed", "reason": "OOM"}')]))
+    assert (summary["version"], summary["run_id"], found) == (7, "abc", "")
+    # a crash before the summary: FallbackToLogsOnError put the log's tail there instead
+    summary, found = summary_from_pods(client.V1PodList(items=[_pod("p", 1, "Traceback ...\nMemoryError\n")]))
+    assert summary == {} and found.endswith("MemoryError")
+    summary, found = summary_from_pods(client.V1PodList(items=[_pod("p", 1, None), _pod("q", 2, ok, "sidecar")]))
+    assert summary == {} and "no terminated retrain container" in found
