@@ -139,7 +139,8 @@ def interpret_job_status(job: Any) -> Outcome | None:
 def summary_from_pods(pods: Any) -> tuple[dict, str]:
     """The retrain's summary from its pods (a V1PodList): the newest pod's ``retrain`` container
     termination message, parsed. Returns (summary, '') or ({}, what was found instead)."""
-    items = sorted(pods.items or [], key=lambda p: p.metadata.creation_timestamp or 0)
+    items = sorted(pods.items or [], key=lambda p: p.metadata.creation_timestamp.timestamp()
+                   if p.metadata.creation_timestamp else 0.0)
     for pod in reversed(items):
         for status in (pod.status.container_statuses or []) if pod.status is not None else []:
             terminated = status.state.terminated if status.name == "retrain" and status.state else None

@@ -151,3 +151,6 @@ def test_summary_comes_from_the_newest_pods_termination_message():
     assert summary == {} and found.endswith("MemoryError")
     summary, found = summary_from_pods(client.V1PodList(items=[_pod("p", 1, None), _pod("q", 2, ok, "sidecar")]))
     assert summary == {} and "no terminated retrain container" in found
+    undated = _pod("u", 0, '{"status": "failed"}')
+    undated.metadata.creation_timestamp = None  # still being created: sorts first, never fails
+    assert summary_from_pods(client.V1PodList(items=[undated, _pod("new", 200, ok)]))[0]["version"] == 7
