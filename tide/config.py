@@ -125,7 +125,8 @@ class IngestConfig:
     topic_partitions: int = 4
     replication_factor: int = 1
     # retention.ms of the topics ingest creates (existing topics are left alone): captured hidden
-    # states are user data, and the topic only needs to outlive an ingest outage; 0 = broker default
+    # states are user data, and the topic only needs to outlive an ingest outage; 0 = broker
+    # default, -1 = keep forever (Kafka's meaning); the broker refuses other negatives at creation
     topic_retention_ms: int = 24 * 3600 * 1000
     data_dir: str = ""  # empty = <home>/dataset
     # tansu holds a JoinGroup for ~session_timeout/2: keep it short (see KAFKA.md)

@@ -4,6 +4,7 @@ write nothing twice; a recreated topic reusing offsets is not mistaken for a rep
 from __future__ import annotations
 
 import struct
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -182,3 +183,26 @@ def _recreate(config: IngestConfig) -> bool:
             consumer.end_offsets([tp])[tp] == 0
     finally:
         consumer.close()
+
+
+def test_health_follows_the_consume_loop(memory_broker, topic_name, tmp_path, monkeypatch):
+    # ingest's /health: not ready before joining, ready while polling the real broker, not ready
+    # once the loop stops polling (stuck) although the process is up
+    from tide.dataset.ingest import Ingestor
+
+    ingestor = Ingestor(_config(memory_broker.bootstrap_servers, topic_name, topic_name + ".gh"), tmp_path)
+    ok, details = ingestor.health()
+    assert not ok and details["state"] == "connecting"
+    ingestor.open()
+    try:
+        ingestor.poll_once()
+        ok, details = ingestor.health()
+        assert ok and details["state"] == "consuming", details
+        now = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: now + 31)  # 30 s = max(30 s, 20 polls of 0.5 s)
+        ok, details = ingestor.health()
+        assert not ok and details["state"] == "stalled", details
+    finally:
+        monkeypatch.undo()
+        ingestor.close()
+    assert ingestor.health()[1]["state"] == "connecting"  # closed: not ready again

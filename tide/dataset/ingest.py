@@ -55,7 +55,7 @@ def wanted_topics(config: IngestConfig) -> list:
     """The data and dead-letter topics as ingest creates them (NewTopic specs)."""
     from kafka.admin import NewTopic
 
-    topic_configs = {"retention.ms": str(config.topic_retention_ms)} if config.topic_retention_ms > 0 else {}
+    topic_configs = {"retention.ms": str(config.topic_retention_ms)} if config.topic_retention_ms else {}
     return [NewTopic(config.topic, config.topic_partitions, config.replication_factor, topic_configs=topic_configs),
             NewTopic(config.dead_letter_topic, 1, config.replication_factor, topic_configs=topic_configs)]
 

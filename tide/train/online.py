@@ -283,6 +283,9 @@ def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: 
         tmp.write_text(payload)
         os.replace(tmp, path)
     if summary_json:  # written in place: a termination log cannot be replaced by rename
-        Path(summary_json).write_text(json.dumps(result.summary(), default=str))
+        try:
+            Path(summary_json).write_text(json.dumps(result.summary(), default=str))
+        except OSError as exc:  # the result JSON and the exit code still say how it went
+            log.warning("cannot write the summary to %s (%s)", summary_json, exc)
     print(payload, file=sys.stdout)
     return code

@@ -10,3 +10,4 @@ def test_created_topics_carry_the_configured_retention():
     assert (data.name, data.num_partitions, dead.name, dead.num_partitions) == ("t", 3, "t.dlq", 1)
     assert data.topic_configs == dead.topic_configs == {"retention.ms": "3600000"}
     assert all(t.topic_configs == {} for t in wanted_topics(IngestConfig(topic_retention_ms=0)))
+    assert wanted_topics(IngestConfig(topic_retention_ms=-1))[0].topic_configs == {"retention.ms": "-1"}
