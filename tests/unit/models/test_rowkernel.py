@@ -24,7 +24,7 @@ def kernel():
 def test_matches_torch_linear(kernel, n, k):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
-    for m in (1, 2, 3, 5, 8, 16):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16):  # both paths, one and several 6-row blocks
         x = torch.randn(m, k, generator=g)
         y = kernel(x, w)
         assert y.shape == (m, n)
@@ -34,10 +34,10 @@ def test_matches_torch_linear(kernel, n, k):
 def test_each_row_is_bitwise_independent_of_the_batch(kernel):
     """Why the engine wants it: a token's logits in a 5-token verify equal those of its decode."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(203, 77, generator=g)  # odd sizes: the 4-row groups' tail and the k tail
-    x = torch.randn(9, 77, generator=g)
-    alone = torch.cat([kernel(x[i:i + 1], w) for i in range(9)])
-    for m in range(1, 10):
+    w = torch.randn(203, 77, generator=g)  # odd sizes: the 4- and 2-row groups' tails and the k tail
+    x = torch.randn(14, 77, generator=g)  # past two 6-row blocks
+    alone = torch.cat([kernel(x[i:i + 1], w) for i in range(14)])
+    for m in range(1, 15):
         assert torch.equal(kernel(x[:m], w), alone[:m])
 
 

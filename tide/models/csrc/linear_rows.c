@@ -2,12 +2,17 @@
  *
  * Why a kernel of our own: with one core, a 1-token decode and a 2..8-token verify are both bound
  * by streaming the weights from memory. MKL's sgemm reads them at under half that speed for
- * M = 2..8, and oneDNN still costs ~1.3-1.4x a 1-row gemv at M = 5. Here each group of 4 weight
- * rows is read from memory once, then stays in L1 while every row of x (two at a time) uses it.
+ * M = 2..8, and oneDNN still costs ~1.3-1.4x a 1-row gemv at M = 5. Here every weight is read
+ * from memory once and used by every row of x while it is in registers or L1:
+ * - M <= 2: groups of 4 weight rows, x rows two at a time (8 accumulators);
+ * - M >= 3: groups of 2 weight rows against up to 6 x rows at once (12 accumulators + 2 weight
+ *   vectors + 1 x vector = 15 of AVX2's 16 registers), so a verify of up to 6 tokens is a single
+ *   pass over the weights and its FMAs hide under the memory stream. (Two x rows per pass, as
+ *   before, left the later passes to run after the stream from L1: a 5-token verify cost ~1.26x a
+ *   decode at 150 cached tokens.)
  *
- * The first pass over a group also prefetches the group PREFETCH_GROUPS ahead, so later passes
- * (rows 3.., computed from L1) overlap the memory stream instead of stalling it: 8-20% faster for
- * 1..8 rows in a C microbenchmark over 135M float32 weights on this machine.
+ * Each pass over a group also prefetches the rows PREFETCH_ROWS ahead (the first pass only), so
+ * the memory stream does not stall between groups.
  *
  * Batch invariance: every (m, n) is summed in the same order whatever M is (8-wide FMA lanes over
  * k, one fixed horizontal sum, then the k tail), so a token's logits are bitwise identical in a
@@ -21,6 +26,16 @@
 #include <string.h>
 
 #define PREFETCH_GROUPS 2
+#define PREFETCH_ROWS (4 * PREFETCH_GROUPS)
+#define MAX_BLOCK_ROWS 6
+
+#define PREFETCH2(p, K, k)                                                                         \
+    do {                                                                                          \
+        if (p) {                                                                                  \
+            _mm_prefetch((const char *)((p) + (k)), _MM_HINT_T0);                                 \
+            _mm_prefetch((const char *)((p) + (K) + (k)), _MM_HINT_T0);                           \
+        }                                                                                         \
+    } while (0)
 
 /* 4 weight rows starting at p (the next groups' rows), k-th 8-wide step: one line ahead each */
 #define PREFETCH4(p, K, k)                                                                         \
@@ -104,8 +119,58 @@ static void rows1x4_##SUFFIX(const float *x, const WT *w0, long K, float *y, con
     }                                                                                             \
     for (int j = 0; j < 4; j++) y[j] = s[j];                                                      \
 }                                                                                                 \
+/* C (<= MAX_BLOCK_ROWS, a constant after inlining) rows of x against weight rows w0, w0 + K */   \
+static inline __attribute__((always_inline)) void rowsCx2_##SUFFIX(                               \
+    const float *x, long K, const int C, const WT *w0, float *y, long N, const WT *ahead) {       \
+    const WT *w1 = w0 + K;                                                                        \
+    __m256 a[MAX_BLOCK_ROWS], b[MAX_BLOCK_ROWS];                                                  \
+    for (int c = 0; c < C; c++) a[c] = b[c] = _mm256_setzero_ps();                                \
+    long k = 0;                                                                                   \
+    for (; k + 8 <= K; k += 8) {                                                                  \
+        PREFETCH2(ahead, K, k);                                                                   \
+        __m256 v0 = LOADW(w0 + k), v1 = LOADW(w1 + k);                                           \
+        for (int c = 0; c < C; c++) {                                                             \
+            __m256 xv = _mm256_loadu_ps(x + c * K + k);                                           \
+            a[c] = _mm256_fmadd_ps(xv, v0, a[c]);                                                 \
+            b[c] = _mm256_fmadd_ps(xv, v1, b[c]);                                                 \
+        }                                                                                         \
+    }                                                                                             \
+    for (int c = 0; c < C; c++) {                                                                 \
+        float s0 = hsum(a[c]), s1 = hsum(b[c]);                                                   \
+        for (long t = k; t < K; t++) {                                                            \
+            s0 += x[c * K + t] * SCALARW(w0 + t);                                                 \
+            s1 += x[c * K + t] * SCALARW(w1 + t);                                                 \
+        }                                                                                         \
+        y[c * N] = s0; y[c * N + 1] = s1;                                                         \
+    }                                                                                             \
+}                                                                                                 \
+static void rows_many_##SUFFIX(const float *x, long M, long K, const WT *w, long N, float *y) {   \
+    long n = 0;                                                                                   \
+    for (; n + 2 <= N; n += 2) {                                                                  \
+        const WT *wn = w + n * K;                                                                 \
+        const WT *ahead = n + 2 + PREFETCH_ROWS <= N ? wn + PREFETCH_ROWS * K : NULL;             \
+        for (long m = 0; m < M; m += MAX_BLOCK_ROWS, ahead = NULL) {                              \
+            const float *xm = x + m * K;                                                          \
+            float *ym = y + m * N + n;                                                            \
+            switch (M - m < MAX_BLOCK_ROWS ? M - m : MAX_BLOCK_ROWS) {                            \
+            case 1: rowsCx2_##SUFFIX(xm, K, 1, wn, ym, N, ahead); break;                          \
+            case 2: rowsCx2_##SUFFIX(xm, K, 2, wn, ym, N, ahead); break;                          \
+            case 3: rowsCx2_##SUFFIX(xm, K, 3, wn, ym, N, ahead); break;                          \
+            case 4: rowsCx2_##SUFFIX(xm, K, 4, wn, ym, N, ahead); break;                          \
+            case 5: rowsCx2_##SUFFIX(xm, K, 5, wn, ym, N, ahead); break;                          \
+            default: rowsCx2_##SUFFIX(xm, K, 6, wn, ym, N, ahead); break;                         \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (; n < N; n++)                                                                            \
+        for (long m = 0; m < M; m++) y[m * N + n] = dot1_##SUFFIX(x + m * K, w + n * K, K);       \
+}                                                                                                 \
 /* x: [M, K] float32, w: [N, K], y: [M, N] float32; all contiguous */                             \
 void tide_linear_rows_##SUFFIX(const float *x, long M, long K, const WT *w, long N, float *y) {  \
+    if (M > 2) {                                                                                  \
+        rows_many_##SUFFIX(x, M, K, w, N, y);                                                     \
+        return;                                                                                   \
+    }                                                                                             \
     long n = 0;                                                                                   \
     for (; n + 4 <= N; n += 4) {                                                                  \
         const WT *wn = w + n * K;                                                                 \
