@@ -90,8 +90,9 @@ def test_bf16_weights_give_the_float32_result_bitwise(kernel):
     """The drafter serves from bf16 weights: same numbers as its bf16-valued float32 weights."""
     g = torch.Generator().manual_seed(7)
     w16 = torch.randn(203, 77, generator=g).bfloat16()
-    x = torch.randn(5, 77, generator=g)
-    assert torch.equal(kernel(x, w16), kernel(x, w16.float()))
-    assert torch.allclose(kernel(x, w16), x @ w16.float().T, rtol=1e-5, atol=1e-4)
+    for m in (1, 2, 5, 8):  # both paths
+        x = torch.randn(m, 77, generator=g)
+        assert torch.equal(kernel(x, w16), kernel(x, w16.float()))
+        assert torch.allclose(kernel(x, w16), x @ w16.float().T, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="bfloat16"):
         kernel(x, w16.half())

@@ -7,9 +7,8 @@
  * - M <= 2: groups of 4 weight rows, x rows two at a time (8 accumulators);
  * - M >= 3: groups of 2 weight rows against up to 6 x rows at once (12 accumulators + 2 weight
  *   vectors + 1 x vector = 15 of AVX2's 16 registers), so a verify of up to 6 tokens is a single
- *   pass over the weights and its FMAs hide under the memory stream. (Two x rows per pass, as
- *   before, left the later passes to run after the stream from L1: a 5-token verify cost ~1.26x a
- *   decode at 150 cached tokens.)
+ *   pass over the weights and its FMAs hide under the memory stream (with two x rows per pass the
+ *   later passes ran after the stream, from L1: a 5-token verify cost ~1.35x a decode, ~1.14x now).
  *
  * Each pass over a group also prefetches the rows PREFETCH_ROWS ahead (the first pass only), so
  * the memory stream does not stall between groups.
