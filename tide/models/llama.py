@@ -151,7 +151,8 @@ class Linears:
 
     # the reorder's batch-size hint: tuned for verify-sized M (1..40 rows measured alike)
     PACK_HINT_ROWS = 16
-    # above this many rows oneDNN's blocked GEMM catches up with the row kernel (measured ~16)
+    # above this many rows oneDNN's blocked GEMM catches up with the row kernel (one-pass kernel,
+    # 150 cached: 16 query rows 106 vs 120 ms, 24 rows 162 vs 155 ms; bench/forward.py)
     ROW_KERNEL_MAX_ROWS = 16
 
     def __init__(self, w: dict[str, torch.Tensor], names: list[str], packed: bool, row_kernel: bool = True):

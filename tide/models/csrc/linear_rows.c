@@ -10,7 +10,7 @@
  *   pass over the weights and its FMAs hide under the memory stream (with two x rows per pass the
  *   later passes ran after the stream, from L1: a 5-token verify cost ~1.35x a decode, ~1.14x now).
  *
- * Each pass over a group also prefetches the rows PREFETCH_ROWS ahead (the first pass only), so
+ * The first pass over each group of weight rows also prefetches the rows PREFETCH_ROWS ahead, so
  * the memory stream does not stall between groups.
  *
  * Batch invariance: every (m, n) is summed in the same order whatever M is (8-wide FMA lanes over
