@@ -28,6 +28,7 @@ from tide.drafter.model import for_serving  # noqa: E402
 from tide.drafter.static import static_drafter_path  # noqa: E402
 from tide.engine.base import GenerationRequest, SamplingParams  # noqa: E402
 from tide.engine.reference import ReferenceEngine, load_target  # noqa: E402
+from tide.report import ModeResult, ratio_interval  # noqa: E402
 from tide.spec.generate import generate  # noqa: E402
 from tide.train.offline import render_prompt  # noqa: E402
 from tide import workloads  # noqa: E402
@@ -41,7 +42,7 @@ def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0):
 
 def single_stream(target, drafter, prompts, n, gamma, stop_prob=0.0):
     """Per prompt: prefill time is measured separately (a 1-token run) and subtracted."""
-    res = {"target": {"tokens": 0, "s": 0.0}, "spec": {"tokens": 0, "s": 0.0}}
+    res = {"target": ModeResult(), "spec": ModeResult()}
     accept_lengths, pos_accepts, forwards, identical = [], [0] * gamma, 0, 0
     for i, ids in enumerate(prompts):
         _, _, prefill_s = timed_generate(target, None, ids, 1, gamma)
@@ -50,8 +51,8 @@ def single_stream(target, drafter, prompts, n, gamma, stop_prob=0.0):
         for name, d in (order if i % 2 == 0 else order[::-1]):
             out, stats, s = timed_generate(target, d, ids, n, gamma, stop_prob)
             outs[name] = out
-            res[name]["tokens"] += len(out) - 1
-            res[name]["s"] += max(1e-6, s - prefill_s)
+            res[name].add(tokens=len(out) - 1, decode_s=max(1e-6, s - prefill_s), forwards=stats.target_forwards,
+                          committed=len(out) - 1 if d is None else sum(stats.accept_lengths))
             if name == "spec":
                 accept_lengths += stats.accept_lengths
                 pos_accepts = [a + b for a, b in zip(pos_accepts, stats.position_accepts)]
@@ -103,12 +104,15 @@ def main() -> int:
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
     res, accept_lengths, pos_rates, identical = single_stream(target, drafter, prompts, args.max_new_tokens, gamma, stop_prob)
-    tps = {k: v["tokens"] / v["s"] for k, v in res.items()}
+    tps = {k: v.tokens_per_s for k, v in res.items()}
+    # how much the speedup depends on which prompts were drawn (and on per-prompt timing noise)
+    speedup_lo, speedup_hi = ratio_interval(res["spec"], res["target"], "tokens_per_s")
     summary = {
         "workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob, "drafter": str(path),
         "tokens_per_forward": statistics.mean(accept_lengths) if accept_lengths else 1.0,
         "position_acceptance": pos_rates, "target_tok_s": tps["target"], "spec_tok_s": tps["spec"],
-        "speedup": tps["spec"] / tps["target"], "identical_outputs": identical,
+        "speedup": tps["spec"] / tps["target"], "speedup_interval_90": [speedup_lo, speedup_hi],
+        "identical_outputs": identical,
     }
     rows = [("metric", "value"), ("prompts (held-out)", len(prompts)), ("draft length (max)", gamma),
             ("draft stop probability", stop_prob),
@@ -116,6 +120,7 @@ def main() -> int:
             ("acceptance by draft position", " ".join(f"{r:.2f}" for r in pos_rates)),
             ("target-only decode tok/s", f"{tps['target']:.2f}"), ("speculative decode tok/s", f"{tps['spec']:.2f}"),
             ("speedup (spec / target-only)", f"{summary['speedup']:.3f}x"),
+            ("speedup, 90% interval over prompts", f"{speedup_lo:.3f}x - {speedup_hi:.3f}x"),
             ("greedy outputs identical", f"{identical}/{len(prompts)}")]
     if args.batch:
         common = dict(target_model_id=cfg.model.model_id, draft_len=gamma, draft_stop_prob=stop_prob, max_seq_len=cfg.model.max_seq_len, eos_ids=())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+import random
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tide.drafter.model import for_serving
@@ -25,6 +26,22 @@ class ModeResult:
     committed: int = 0
     identical_to_target: int = 0
     prompts: int = 0
+    # per prompt, in prompt order: what ``ratio_interval`` resamples
+    prompt_tokens: list[int] = field(default_factory=list)
+    prompt_decode_s: list[float] = field(default_factory=list)
+    prompt_forwards: list[int] = field(default_factory=list)
+    prompt_committed: list[int] = field(default_factory=list)
+
+    def add(self, tokens: int, decode_s: float, forwards: int, committed: int) -> None:
+        self.prompts += 1
+        self.tokens += tokens
+        self.decode_s += decode_s
+        self.forwards += forwards
+        self.committed += committed
+        self.prompt_tokens.append(tokens)
+        self.prompt_decode_s.append(round(decode_s, 6))
+        self.prompt_forwards.append(forwards)
+        self.prompt_committed.append(committed)
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,18 +75,47 @@ def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, 
                 t0 = time.perf_counter()
                 tokens, stats = generate(target, drafter, ids, max_new_tokens, gamma=gamma, stop_prob=stop_prob)
                 elapsed = time.perf_counter() - t0
-                r = res[name]
-                r.prompts += 1
-                r.tokens += len(tokens) - 1
-                r.decode_s += max(1e-6, elapsed - prefill_s)
-                r.forwards += stats.target_forwards
-                r.committed += sum(stats.accept_lengths) if drafter is not None else stats.target_forwards
+                res[name].add(tokens=len(tokens) - 1, decode_s=max(1e-6, elapsed - prefill_s),
+                              forwards=stats.target_forwards,
+                              committed=sum(stats.accept_lengths) if drafter is not None else stats.target_forwards)
                 outputs[name] = tokens
             for name, _ in modes:
                 res[name].identical_to_target += outputs[name] == outputs["target"]
             progress(f"  compare {workload}: {i + 1}/{len(prompts)} prompts")
         out[workload] = res
     return out
+
+
+def ratio_interval(a: ModeResult, b: ModeResult, metric: str, level: float = 0.9, draws: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """Paired bootstrap interval of ``metric(a) / metric(b)`` over prompts.
+
+    ``metric`` is "tokens_per_forward" (committed / forwards) or "tokens_per_s" (tokens /
+    decode_s). Steps: draw prompt indices with replacement (the same draw for both modes: they
+    decoded the same prompts), recompute each mode's ratio of sums, take their quotient; the
+    interval is the central ``level`` of the draws. It measures how much the figure depends on
+    which prompts were drawn (and, for tokens/s, on timing noise per prompt): with 8 prompts a
+    ratio can move by several percent.
+    """
+    fields = {"tokens_per_forward": ("prompt_committed", "prompt_forwards"),
+              "tokens_per_s": ("prompt_tokens", "prompt_decode_s")}
+    if metric not in fields:
+        raise ValueError(f"metric must be one of {sorted(fields)}, got {metric!r}")
+    num, den = fields[metric]
+    n = len(getattr(a, num))
+    if n == 0 or n != len(getattr(b, num)):
+        raise ValueError(f"both modes need the same prompts (got {n} and {len(getattr(b, num))})")
+    cols = [getattr(a, num), getattr(a, den), getattr(b, num), getattr(b, den)]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        an, ad, bn, bd = (sum(c[i] for i in idx) for c in cols)
+        if ad > 0 and bd > 0 and bn > 0:
+            out.append((an / ad) / (bn / bd))
+    out.sort()
+    tail = (1.0 - level) / 2
+    return out[int(tail * (len(out) - 1))], out[int(round((1.0 - tail) * (len(out) - 1)))]
 
 
 def plot_acceptance(sampler, path: Path, title: str) -> Path:

@@ -47,6 +47,8 @@ def test_quick_demo_closes_the_loop(tmp_path):
     assert live["after_shift_adapted"] > live["after_shift_static"], live  # ... and it does better live
     ratios = summary["comparison"]["ratios"]  # the controlled comparison ran on both drafters
     assert ratios["code_accept_adapted_over_static"] > 0 and ratios["chat_accept_adapted_over_static"] > 0
+    for name, (lo, hi) in summary["comparison"]["ratio_intervals_90"].items():
+        assert 0 < lo <= hi, (name, lo, hi)  # (the ratio itself is usually, not always, inside)
     # the operator's dashboard saw it too: the stack's Prometheus recorded acceptance by version
     board = summary["dashboard"]
     assert "error" not in board, board
