@@ -8,8 +8,8 @@ measured once per prompt and subtracted, so tokens/s is decode speed.
 from __future__ import annotations
 
 import json
-import time
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -97,11 +97,11 @@ def ratio_interval(a: ModeResult, b: ModeResult, metric: str, level: float = 0.9
     which prompts were drawn (and, for tokens/s, on timing noise per prompt): with 8 prompts a
     ratio can move by several percent.
     """
-    fields = {"tokens_per_forward": ("prompt_committed", "prompt_forwards"),
-              "tokens_per_s": ("prompt_tokens", "prompt_decode_s")}
-    if metric not in fields:
-        raise ValueError(f"metric must be one of {sorted(fields)}, got {metric!r}")
-    num, den = fields[metric]
+    columns = {"tokens_per_forward": ("prompt_committed", "prompt_forwards"),
+               "tokens_per_s": ("prompt_tokens", "prompt_decode_s")}
+    if metric not in columns:
+        raise ValueError(f"metric must be one of {sorted(columns)}, got {metric!r}")
+    num, den = columns[metric]
     n = len(getattr(a, num))
     if n == 0 or n != len(getattr(b, num)):
         raise ValueError(f"both modes need the same prompts (got {n} and {len(getattr(b, num))})")
@@ -113,6 +113,8 @@ def ratio_interval(a: ModeResult, b: ModeResult, metric: str, level: float = 0.9
         an, ad, bn, bd = (sum(c[i] for i in idx) for c in cols)
         if ad > 0 and bd > 0 and bn > 0:
             out.append((an / ad) / (bn / bd))
+    if not out:  # e.g. no prompt decoded a token: nothing to resample
+        return float("nan"), float("nan")
     out.sort()
     tail = (1.0 - level) / 2
     return out[int(tail * (len(out) - 1))], out[int(round((1.0 - tail) * (len(out) - 1)))]

@@ -37,6 +37,11 @@ def test_interval_brackets_the_ratio_and_widens_with_spread():
     assert ratio_interval(spread, b, "tokens_per_s") == (lo_s, hi_s)  # same figures by construction
 
 
+def test_interval_is_nan_when_the_baseline_decoded_nothing():
+    lo, hi = ratio_interval(_mode([(2, 1)]), _mode([(0, 1)]), "tokens_per_forward")
+    assert lo != lo and hi != hi  # NaN
+
+
 def test_interval_refuses_unpaired_modes_and_unknown_metrics():
     with pytest.raises(ValueError, match="same prompts"):
         ratio_interval(_mode([(2, 1)]), _mode([(2, 1), (2, 1)]), "tokens_per_forward")

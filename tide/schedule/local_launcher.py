@@ -8,7 +8,8 @@ time of the pid, so a restarted scheduler can tell "still our job" from "pid reu
 Poll: our own child -> ``Popen.poll`` (exit code known); a job adopted from an earlier scheduler
 process -> /proc liveness (zombies count as gone) and the result file alone.
 Kill: SIGTERM to the group, wait up to ``kill_grace_s`` for the leader, then SIGKILL the group so
-grandchildren (data loader workers) die too.
+grandchildren (data loader workers) die too, and return once the leader is gone (reaped if ours,
+gone from /proc or a zombie if adopted).
 """
 from __future__ import annotations
 
@@ -130,6 +131,11 @@ class LocalLauncher:
         self._signal_group(pgid, signal.SIGKILL)
         if proc is not None:
             proc.wait(timeout=30)
+        else:  # adopted, not our child to wait on: SIGKILL lands asynchronously, so wait until
+            # it has (a "cancelled" record must not name a process that still runs)
+            deadline = time.monotonic() + self.kill_grace_s
+            while process_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
         log.warning("killed retrain process group %d", pgid)
 
     @staticmethod
