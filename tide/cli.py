@@ -101,11 +101,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stack = Stack(StackOptions(cfg.home_path, args.bootstrap_servers or "", args.tracking_uri or "",
                                args.data_dir or "", args.durable_broker, prometheus=not args.no_prometheus))
-    from tide import prometheus
-
-    with_prometheus = not args.no_prometheus and prometheus.binary() is not None
-    print(f"starting TIDE (broker, MLflow, engine, ingest, scheduler{', Prometheus' if with_prometheus else ''}) ...",
-          flush=True)
+    print(f"starting TIDE ({', '.join(stack.parts)}) ...", flush=True)
     stack.start()
     try:
         print("TIDE is up:\n" + stack.describe() + "\nCtrl-C stops everything.", flush=True)

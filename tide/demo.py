@@ -258,6 +258,6 @@ def _comparison(home: Path, adapted_folder: Path | None, before: str, after: str
             f"{before}_accept_adapted_over_static":
                 ratio_interval(res[before]["adapted"], res[before]["static"], "tokens_per_forward"),
         }
-    _say(json.dumps({k: [round(v, 4), [round(x, 4) for x in out["ratio_intervals_90"][k]]]
-                     for k, v in out["ratios"].items()} if "ratios" in out else {}, indent=2))
+    _say(json.dumps({k: {"ratio": round(v, 4), "interval_90": [round(x, 4) for x in out["ratio_intervals_90"][k]]}
+                     for k, v in out.get("ratios", {}).items()}, indent=2))
     return out

@@ -105,19 +105,19 @@ def ratio_interval(a: ModeResult, b: ModeResult, metric: str, level: float = 0.9
     n = len(getattr(a, num))
     if n == 0 or n != len(getattr(b, num)):
         raise ValueError(f"both modes need the same prompts (got {n} and {len(getattr(b, num))})")
-    cols = [getattr(a, num), getattr(a, den), getattr(b, num), getattr(b, den)]
+    series = [getattr(a, num), getattr(a, den), getattr(b, num), getattr(b, den)]
     rng = random.Random(seed)
     out = []
     for _ in range(draws):
         idx = [rng.randrange(n) for _ in range(n)]
-        an, ad, bn, bd = (sum(c[i] for i in idx) for c in cols)
+        an, ad, bn, bd = (sum(values[i] for i in idx) for values in series)
         if ad > 0 and bd > 0 and bn > 0:
             out.append((an / ad) / (bn / bd))
     if not out:  # e.g. no prompt decoded a token: nothing to resample
         return float("nan"), float("nan")
     out.sort()
     tail = (1.0 - level) / 2
-    return out[int(tail * (len(out) - 1))], out[int(round((1.0 - tail) * (len(out) - 1)))]
+    return out[round(tail * (len(out) - 1))], out[round((1.0 - tail) * (len(out) - 1))]
 
 
 def plot_acceptance(sampler, path: Path, title: str) -> Path:

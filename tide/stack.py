@@ -122,8 +122,17 @@ class Stack:
         self._run(svc, timeout_s=180)
         return f"http://127.0.0.1:{port}"
 
+    @property
+    def parts(self) -> list[str]:
+        """The processes ``start`` launches: the ones this machine and the options allow."""
+        return ([] if self.opts.bootstrap_servers else ["broker"]) + ([] if self.opts.tracking_uri else ["MLflow"]) \
+            + ["engine", "ingest", "scheduler"] + (["Prometheus"] if self._prometheus_binary() else [])
+
+    def _prometheus_binary(self) -> str | None:
+        return prometheus.binary() if self.opts.prometheus else None
+
     def _start_prometheus(self, logs: Path, ports: dict[str, int]) -> None:
-        exe = prometheus.binary() if self.opts.prometheus else None
+        exe = self._prometheus_binary()
         if exe is None:
             self.endpoints["dashboard"] = ("off (no prometheus binary; scripts/install.sh installs it)"
                                            if self.opts.prometheus else "off")
