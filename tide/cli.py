@@ -126,6 +126,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     report = Path(args.report) if args.report else cfg.home_path / "reports" / time.strftime("demo-%Y%m%d-%H%M%S")
     summary = run_demo(cfg.home_path, report, settings, args.before, args.after,
                        args.bootstrap_servers or "", args.tracking_uri or "")
+    loop = summary.get("loop", {})
+    if not loop.get("closed"):
+        print(f"tide demo: the loop did not close: {loop.get('reason') or 'stopped before the shift'}",
+              file=sys.stderr)
+        return 1
     return 0 if summary.get("traffic", {}).get("after", {}).get("failed", 1) == 0 else 1
 
 

@@ -6,13 +6,15 @@ Steps:
 3. shift: replay the second workload (code: HumanEval + stdlib prompts); capture → Kafka →
    Parquet feeds the scheduler, which launches a retrain; the retrain registers a challenger,
    auto-promotion makes it champion, the engine swaps it in; traffic keeps flowing until the
-   adapted drafter has served ``after_requests`` requests (or the time budget runs out);
+   adapted drafter has served enough requests and forwards and the dashboard has recorded it
+   (``LoopWatch``: each wait is bounded, and a wait that runs out says why in the report);
 4. stop everything, then a controlled comparison in one process with nothing else running:
    the same held-out prompts of each workload, target-only vs static drafter vs adapted drafter;
 5. write the report folder: acceptance-over-time PNG (shift and swaps marked) + summary JSON.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -31,31 +33,34 @@ from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_v
 @dataclass(frozen=True)
 class DemoSettings:
     before_requests: int = 48
-    shift_max_requests: int = 600
+    # after the swap, traffic goes on until the adapted drafter has served this many requests and
+    # this many target forwards, and the dashboard has a sample of it (events, not request counts)
     after_requests: int = 32
+    after_min_forwards: int = 300
     concurrency: int = 6
     max_tokens: int = 64
     # the first retrain triggers once ~100 code requests follow the 48 chat ones: on held-out code
-    # the challenger's simulated acceptance grew with the code requests it trained on (8 passes,
-    # + 24 chat: 32 -> 1.43, 64 -> 1.52, 96 -> 1.59; static 1.21), while passes saturate (16 ~ 8)
+    # the challenger's simulated acceptance grew with the code requests it trained on, while passes
+    # saturate (docs/benchmarks.md, "Demo")
     retrain_min_tokens: int = 28_000
     retrain_max_train_tokens: int = 32_000
     retrain_max_s: float = 420.0  # the retrain's training cap (its LR schedule shrinks to fit)
-    # prompt-to-prompt spread dominates the comparison's noise: one adapted drafter measured
-    # 1.26x on code over the first 8 held-out prompts (90% bootstrap interval 1.20-1.33) and
-    # 1.31x over 24 (1.27-1.36); chat 1.00x over 8 and 1.23x over 24. 24 x 32 tokens decode twice
-    # the tokens of 8 x 48 (~2.5 more minutes here); the report carries the intervals
+    # prompt-to-prompt spread dominates the comparison's noise: fewer prompts under-measured the
+    # ratios by about their own interval's width; the report carries the 90% intervals
     compare_prompts: int = 24
     compare_max_tokens: int = 32
-    budget_s: float = 20 * 60
+    # bounds on the waits: past one, the demo stops and says which event did not come and why
+    swap_timeout_s: float = 20 * 60  # shift -> the engine serves a retrained drafter
+    after_timeout_s: float = 5 * 60  # swap -> enough live and dashboard evidence of it
+    not_promoted_grace_s: float = 30.0  # a finished retrain's challenger may still be swapping in
 
     @classmethod
     def quick(cls) -> "DemoSettings":
         # the retrain triggers on all new tokens, chat included: 7.5k leaves ~6k of code in it
         # (6k left ~4k, a minority of the training requests, and a challenger no better)
-        return cls(before_requests=8, shift_max_requests=240, after_requests=8, concurrency=6,
+        return cls(before_requests=8, after_requests=8, after_min_forwards=100, concurrency=6,
                    max_tokens=48, retrain_min_tokens=7_500, retrain_max_train_tokens=8_000, retrain_max_s=120.0,
-                   compare_prompts=4, compare_max_tokens=32, budget_s=7 * 60)
+                   compare_prompts=4, compare_max_tokens=32, swap_timeout_s=8 * 60, after_timeout_s=3 * 60)
 
 
 def _say(msg: str) -> None:
@@ -91,10 +96,10 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     static_version = _champion(url)
     sampler = AcceptanceSampler(f"{url}/metrics", interval_s=5).start()
     summary: dict = {"settings": settings.__dict__, "endpoints": stack.endpoints, "static_version": static_version}
-    swaps: list[tuple[float, str]] = []
+    swaps: list[tuple[float, str]] = []  # (t_s on the sampler's clock, version)
     try:
         before_prompts = _load(before, "heldout", settings.before_requests + settings.compare_prompts, 11)
-        after_prompts = _load(after, "train", settings.shift_max_requests, 12)
+        after_prompts = _load(after, "train", None, 12)  # cycled: phase 2 ends on events
         printed: dict[int, int] = {}  # per traffic phase: the request count last reported
         printed_lock = threading.Lock()
 
@@ -116,34 +121,14 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
         sampler.mark(f"shift to {after}")
         t_shift = time.monotonic()
         _say(f"phase 2: shift to '{after}'; waiting for retrain + swap")
-        state = {"served_after": 0, "version": static_version}
-
-        def watch(res: TrafficResult) -> None:
-            version = _champion(url)
-            if version != state["version"]:
-                swaps.append((time.monotonic() - sampler.t0, version))
-                sampler.mark(f"swap to v{version}")
-                _say(f"engine now serves drafter {version}")
-                state["version"] = version
-            if version != static_version:
-                state["served_after"] += 1
-            status(res, version)
-
-        def retrains_finished() -> float:
-            return metric_value(scrape(stack.endpoints["scheduler metrics"]), SCHED_RETRAINS_FINISHED) or 0.0
-
-        def done() -> bool:
-            if state["served_after"] >= settings.after_requests or time.monotonic() - t_start > settings.budget_s:
-                return True
-            # a retrain finished but its challenger was not promoted: nothing more to show live
-            if state["version"] == static_version and retrains_finished() >= 1:
-                state.setdefault("finished_at", time.monotonic())
-                return time.monotonic() - state["finished_at"] > 30
-            return False
-
-        r2 = replay(url, after_prompts, settings.concurrency, settings.max_tokens, until=done, on_done=watch)
+        watch = LoopWatch(stack, sampler, static_version, settings, t_shift)
+        r2 = replay(url, itertools.cycle(after_prompts), settings.concurrency, settings.max_tokens,
+                    until=watch.done, on_done=lambda res: status(res, watch.on_done()))
+        swaps = watch.swaps
+        summary["loop"] = watch.outcome()
+        _say("loop closed: " + watch.evidence() if watch.closed else f"loop NOT closed: {watch.reason}")
         summary["traffic"] = {"before": _traffic(r1), "after": _traffic(r2)}
-        summary["retrains_finished"] = retrains_finished()
+        summary["retrains_finished"] = _retrains_finished(stack)
         summary["registry_versions"] = _versions(stack)
         summary["retrain_s_after_shift"] = swaps[0][0] - (t_shift - sampler.t0) if swaps else None
     finally:
@@ -163,6 +148,103 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     write_summary(report_dir / "summary.json", summary)
     _say(f"report: {report_dir}/summary.json, {report_dir}/acceptance.png")
     return summary
+
+
+class LoopWatch:
+    """Phase 2's stop rule. Traffic goes on until the loop has shown what it must: the engine
+    swapped to a retrained drafter, which then served ``after_requests`` requests and
+    ``after_min_forwards`` target forwards, and the stack's Prometheus has recorded its acceptance
+    (the dashboard's series). Each wait is bounded; past a bound ``reason`` says which event did
+    not come and where the loop stood."""
+
+    CHECK_EVERY_S = 2.0  # done() runs before every request; the scrapes behind it need not
+
+    def __init__(self, stack: Stack, sampler: AcceptanceSampler, static_version: str,
+                 settings: DemoSettings, t_shift: float):
+        self.stack, self.sampler, self.settings, self.t_shift = stack, sampler, settings, t_shift
+        self.static_version = self.version = static_version
+        self.swaps: list[tuple[float, str]] = []
+        self.t_swap: float | None = None
+        self.t_closed: float | None = None
+        self.served_after = 0
+        self.closed = False
+        self.reason: str | None = None
+        self._lock = threading.Lock()
+        self._next_check = 0.0
+        self._finished_at: float | None = None
+
+    def on_done(self, *_) -> str:
+        """After each request: follow the engine's serving version; returns it."""
+        version = _champion(self.stack.endpoints["engine"])
+        with self._lock:
+            if version != self.version:
+                self.swaps.append((time.monotonic() - self.sampler.t0, version))
+                self.sampler.mark(f"swap to v{version}")
+                _say(f"engine now serves drafter {version}")
+                self.version, self.t_swap = version, time.monotonic()
+            if version != self.static_version:
+                self.served_after += 1
+        return version
+
+    def done(self) -> bool:
+        with self._lock:
+            if self.closed or self.reason is not None:
+                return True
+            now = time.monotonic()
+            if now < self._next_check:
+                return False
+            self._next_check = now + self.CHECK_EVERY_S
+            if self.t_swap is None:
+                self.reason = self._no_swap_reason(now)
+            else:
+                self._check_after_swap(now)
+            return self.closed or self.reason is not None
+
+    def _no_swap_reason(self, now: float) -> str | None:
+        s = self.settings
+        if now - self.t_shift > s.swap_timeout_s:
+            return (f"no swap within {s.swap_timeout_s:.0f} s of the shift ("
+                    + loop_status(self.stack.endpoints["ingest metrics"], self.stack.endpoints["scheduler metrics"])
+                    + ")")
+        if _retrains_finished(self.stack) >= 1:
+            self._finished_at = self._finished_at or now
+            if now - self._finished_at > s.not_promoted_grace_s:
+                return "a retrain finished but its challenger was not promoted (held-out metrics: registry_versions)"
+        return None
+
+    def _check_after_swap(self, now: float) -> None:
+        missing = self.missing()
+        if not missing:
+            self.closed, self.t_closed = True, now
+        elif now - self.t_swap > self.settings.after_timeout_s:
+            self.reason = (f"{self.settings.after_timeout_s:.0f} s after the swap to drafter {self.version}, "
+                           "still missing: " + "; ".join(missing))
+
+    def missing(self) -> list[str]:
+        """What the adapted drafter has not shown yet (empty: the loop closed)."""
+        s, out = self.settings, []
+        if self.served_after < s.after_requests:
+            out.append(f"{s.after_requests} requests served by it ({self.served_after} so far)")
+        forwards = self.sampler.forwards_since(self.t_swap - self.sampler.t0, self.version)
+        if forwards < s.after_min_forwards:
+            out.append(f"{s.after_min_forwards} live target forwards ({forwards:.0f} so far)")
+        base = self.stack.endpoints.get("prometheus")
+        if base is not None and not prometheus.has_accept_sample(base, self.version):
+            out.append(f"a dashboard sample of {prometheus.ACCEPT_SERIES} for it")
+        return out
+
+    def evidence(self) -> str:
+        return (f"drafter {self.version} served {self.served_after} requests in "
+                f"{self.t_closed - self.t_swap:.0f} s after the swap, with its dashboard series recorded")
+
+    def outcome(self) -> dict:
+        return {"closed": self.closed, "reason": self.reason, "served_after_swap": self.served_after,
+                "post_swap_s": round((self.t_closed or time.monotonic()) - self.t_swap, 1) if self.t_swap else None,
+                "shift_to_swap_s": round(self.t_swap - self.t_shift, 1) if self.t_swap else None}
+
+
+def _retrains_finished(stack: Stack) -> float:
+    return metric_value(scrape(stack.endpoints["scheduler metrics"]), SCHED_RETRAINS_FINISHED) or 0.0
 
 
 def _versions(stack: Stack) -> list[dict]:

@@ -86,3 +86,12 @@ def accept_length_by_version(base_url: str, window_s: float) -> dict[str, float]
     promql = f"avg_over_time({ACCEPT_SERIES}[{max(60, int(window_s))}s])"
     return {labels.get("drafter_version", "?"): round(value, 3)
             for labels, value in query(base_url, promql) if value == value}  # drops NaN (0/0)
+
+
+def has_accept_sample(base_url: str, version: str) -> bool:
+    """Whether the recorded acceptance length has a current value for drafter ``version`` (what the
+    dashboard needs to draw it); False while Prometheus cannot be asked."""
+    try:
+        return bool(query(base_url, f'{ACCEPT_SERIES}{{drafter_version="{version}"}}'))
+    except (httpx.HTTPError, RuntimeError, ValueError):
+        return False

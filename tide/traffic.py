@@ -33,13 +33,15 @@ class TrafficResult:
 def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_tokens: int,
            until: Callable[[], bool] = lambda: False, result: TrafficResult | None = None,
            on_done: Callable[[TrafficResult], None] | None = None, timeout_s: float = 600.0) -> TrafficResult:
+    """Send ``prompts`` (endless iterables included) from ``concurrency`` workers until they run out
+    or ``until()`` says stop; each worker takes the next prompt only when its last one finished."""
     result = result or TrafficResult()
     client = httpx.Client(base_url=base_url, timeout=timeout_s)
     model = client.get("/health").json().get("target_model", "")
+    source = iter(prompts)
+    take = threading.Lock()
 
     def one(p: Prompt) -> None:
-        if until():
-            return
         body = {"model": model, "messages": p.chat_messages(), "max_tokens": max_tokens,
                 "temperature": 0, "workload": p.workload}
         try:
@@ -59,10 +61,24 @@ def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_token
         if on_done:
             on_done(result)
 
+    abort = threading.Event()  # one worker failed: the others stop too
+
+    def worker() -> None:
+        try:
+            while not abort.is_set() and not until():
+                with take:  # iterators are not thread-safe
+                    p = next(source, None)
+                if p is None:
+                    return
+                one(p)
+        except BaseException:
+            abort.set()
+            raise
+
     try:
         with ThreadPoolExecutor(concurrency) as pool:
-            for _ in pool.map(one, prompts):
-                pass
+            for f in [pool.submit(worker) for _ in range(concurrency)]:
+                f.result()  # a worker's exception (from on_done or until) reaches the caller
     finally:
         client.close()
     return result
@@ -129,6 +145,10 @@ class AcceptanceSampler:
         self._stop.set()
         self._thread.join(timeout=10)
         self.sample()
+
+    def forwards_since(self, start_s: float, version: str) -> float:
+        """Target forwards ``version`` ran since ``start_s`` (as sampled so far)."""
+        return sum(p.forwards for p in self.points if p.t_s >= start_s and p.version == version)
 
     def recent(self, version: str, window_s: float = 30.0) -> float | None:
         """Tokens per target forward of ``version`` over the last ``window_s`` of samples."""

@@ -30,7 +30,7 @@ def test_quick_demo_closes_the_loop(tmp_path):
         (home / "models" / "smollm2-135m-instruct").symlink_to(src)
     report = tmp_path / "report"
     proc = subprocess.run([sys.executable, "-m", "tide.cli", "--home", str(home), "demo", "--quick",
-                           "--report", str(report)], cwd=REPO, capture_output=True, text=True, timeout=900)
+                           "--report", str(report)], cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((report / "summary.json").read_text())
     assert (report / "acceptance.png").stat().st_size > 10_000
@@ -38,6 +38,8 @@ def test_quick_demo_closes_the_loop(tmp_path):
     files = sorted((home / "dataset").rglob("*.parquet"))
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     assert rows > 0 and DatasetIndex(home / "dataset").summary()["rows"] == rows  # captured -> Kafka -> Parquet
+    loop = summary["loop"]  # traffic ran until the swapped-in drafter had shown enough, not a count
+    assert loop["closed"] and loop["reason"] is None and loop["served_after_swap"] >= 8, loop
     assert summary["retrains_finished"] >= 1  # the scheduler launched a retrain that ran to the end
     versions = [v for v in summary["registry_versions"] if "version" in v]
     assert any(v["version"] >= 2 for v in versions), versions  # ... and registered a new version

@@ -50,3 +50,76 @@ def test_loop_status_says_waiting_then_running(metrics_url):
 def test_loop_status_when_services_are_down():
     dead = f"http://127.0.0.1:{_free_port()}/metrics"
     assert loop_status(dead, dead) == "ingest metrics unavailable | scheduler metrics unavailable"
+
+
+@pytest.fixture(scope="module")
+def chat_url():
+    """A minimal OpenAI-style HTTP endpoint (a stand-in for the engine, not the engine: it answers
+    /health and /v1/chat/completions with a fixed completion) to drive ``replay`` over real HTTP."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send({"status": "ok", "target_model": "m"})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send({"choices": [{"finish_reason": "length"}], "usage": {"completion_tokens": 3}})
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _prompts():
+    import itertools
+
+    from tide.workloads import Prompt
+    return (Prompt(id=str(i), workload="chat", messages=[{"role": "user", "content": f"q{i}"}])
+            for i in itertools.count())
+
+
+def test_replay_of_endless_prompts_stops_on_the_event(chat_url):
+    import threading
+
+    from tide.traffic import replay
+
+    stop = threading.Event()
+    res = replay(chat_url, _prompts(), concurrency=4, max_tokens=3, until=lambda: stop.is_set(),
+                 on_done=lambda r: r.ok >= 25 and stop.set())
+    assert 25 <= res.sent <= 25 + 4 and res.failed == 0 and res.completion_tokens == 3 * res.sent
+
+
+def test_replay_of_a_finite_list_sends_each_prompt_once(chat_url):
+    import itertools
+
+    from tide.traffic import replay
+
+    res = replay(chat_url, list(itertools.islice(_prompts(), 7)), concurrency=3, max_tokens=3)
+    assert (res.sent, res.ok) == (7, 7)
+
+
+def test_replay_passes_a_callback_error_to_the_caller(chat_url):
+    from tide.traffic import replay
+
+    def boom(_):
+        raise RuntimeError("watcher failed")
+
+    with pytest.raises(RuntimeError, match="watcher failed"):
+        replay(chat_url, _prompts(), concurrency=2, max_tokens=3, on_done=boom)
+
