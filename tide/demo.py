@@ -36,7 +36,7 @@ class DemoSettings:
     # after the swap, traffic goes on until the adapted drafter has served this many requests and
     # this many target forwards, and the dashboard has a sample of it (events, not request counts)
     after_requests: int = 32
-    after_min_forwards: int = 300
+    after_min_forwards: int = 1500
     concurrency: int = 6
     max_tokens: int = 64
     # the first retrain triggers once ~100 code requests follow the 48 chat ones: on held-out code
@@ -58,7 +58,7 @@ class DemoSettings:
     def quick(cls) -> "DemoSettings":
         # the retrain triggers on all new tokens, chat included: 7.5k leaves ~6k of code in it
         # (6k left ~4k, a minority of the training requests, and a challenger no better)
-        return cls(before_requests=8, after_requests=8, after_min_forwards=100, concurrency=6,
+        return cls(before_requests=8, after_requests=12, after_min_forwards=600, concurrency=6,
                    max_tokens=48, retrain_min_tokens=7_500, retrain_max_train_tokens=8_000, retrain_max_s=120.0,
                    compare_prompts=4, compare_max_tokens=32, swap_timeout_s=8 * 60, after_timeout_s=3 * 60)
 
