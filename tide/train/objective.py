@@ -16,7 +16,7 @@ of draft positions accepted under greedy verification (``simulated_acceptance``)
 Cost on CPU (what a retrain's wall-time cap buys): only step 0's q/k/v projection runs at every
 position; everything else runs only where a draft can reach a loss position (``needed_rows``),
 and each teacher distribution is computed once per batch. Same loss and gradients as unrolling
-every position; the speed-up grows with the share of prompt positions (figures in the README).
+every position; the speed-up grows with the share of prompt positions (figures in docs/benchmarks.md).
 """
 from __future__ import annotations
 
