@@ -88,6 +88,23 @@ def cmd_drafters(args: argparse.Namespace) -> int:
     return run_drafters(args, _config(args))
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    """``tide up`` writes its resolved config (0600) with a fresh control token under <home>/run."""
+    import yaml
+
+    path = _config(args).home_path / "run" / "tide.yaml"
+    try:
+        token = (yaml.safe_load(path.read_text()) or {}).get("server", {}).get("control_token")
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: no running `tide up` config at {path}: {exc}", file=sys.stderr)
+        return 2
+    if not token:
+        print(f"error: {path} has no server.control_token", file=sys.stderr)
+        return 2
+    print(token)
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the whole loop and keep it running until Ctrl-C / SIGTERM."""
     import signal
@@ -140,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tide", description=__doc__)
     parser.add_argument("--config", help="YAML config file (defaults are embedded)")
     parser.add_argument("--home", help="data/cache folder (default $TIDE_HOME or ~/.cache/tide)")
+    parser.add_argument("--version", action="version", version=f"tide {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("train", help="train a drafter: the static one offline, or an online retrain")
@@ -153,9 +171,6 @@ def main(argv: list[str] | None = None) -> int:
                                           "(a Kubernetes Job's termination message)")
     p.add_argument("--export-specforge", metavar="DIR",
                    help="write the current training window in SpecForge's offline format")
-    # accepted after the verb too (the scheduler appends them); SUPPRESS keeps a value given before it
-    p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    p.add_argument("--home", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("serve", help="run the engine's HTTP server")
@@ -189,8 +204,31 @@ def main(argv: list[str] | None = None) -> int:
     from tide.dataset.commands import add_data_parser
     add_data_parser(sub, cmd_data)
 
+    p = sub.add_parser("token", help="print the control token of the `tide up` running on this home")
+    p.set_defaults(fn=cmd_token)
+
+    _accept_common_options_after_verbs(parser)
     args = parser.parse_args(argv)
     return args.fn(args)
+
+
+def _accept_common_options_after_verbs(parser: argparse.ArgumentParser) -> None:
+    """``--config``/``--home`` work after any verb too (the scheduler appends them to ``train``);
+    SUPPRESS keeps a value given before the verb."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for child in action.choices.values():
+            child.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            child.add_argument("--home", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            _accept_common_options_after_verbs(child)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tide")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -419,3 +419,13 @@ def test_cli_list_show_promote_rollback_diff(make_stack, tiny, tmp_path):
     assert s.registry.aliases()[CHAMPION] == 1
     code, out, _ = run_cli(cfg_path, "list", "--json")
     assert code == 0 and {r["version"] for r in json.loads(out)} == {1, v2, bad}
+    # every verb scripts with --json
+    code, out, _ = run_cli(cfg_path, "history", "--json")
+    assert code == 0 and [op["op"] for op in json.loads(out)] == ["promote", "rollback"]
+    code, out, _ = run_cli(cfg_path, "diff", "1", str(v2), "--json")
+    assert code == 0 and {r["name"]: r["b"] for r in json.loads(out)}["sim_accept_length"] == "1.7000"
+    code, out, _ = run_cli(cfg_path, "--engine", s.url, "--token", TOKEN, "promote", str(v2), "--json")
+    change = json.loads(out)
+    assert code == 0 and (change["from"], change["to"]) == (1, v2) and change["engine"]["status"] == "swapped"
+    code, out, _ = run_cli(cfg_path, "rollback", "--json")
+    assert code == 0 and json.loads(out) == {"op": "rolled back", "from": v2, "to": 1, "engine": None}

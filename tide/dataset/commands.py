@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,22 +25,24 @@ def add_data_parser(sub, fn: Callable[[argparse.Namespace], int]) -> None:
     p = sub.add_parser("data", help="dataset stats, delete a request's captured data, apply retention")
     p.add_argument("--data-dir", help="the Parquet dataset (default ingest.data_dir or <home>/dataset)")
     verbs = p.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("stats", help="files, rows, requests, tokens, bytes, capture-time range")
-    v = verbs.add_parser("delete", help="remove every captured row of these request ids")
-    v.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
-    verbs.add_parser("retention", help="apply ingest.retention_ttl_s / retention_max_bytes now")
+    stats = verbs.add_parser("stats", help="files, rows, requests, tokens, bytes, capture-time range")
+    delete = verbs.add_parser("delete", help="remove every captured row of these request ids")
+    delete.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    retention = verbs.add_parser("retention", help="apply ingest.retention_ttl_s / retention_max_bytes now")
+    for v in (stats, delete, retention):
+        v.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=fn)
 
 
 def run_data(args: argparse.Namespace, cfg) -> int:
-    """Run one verb; prints JSON. Exit 1 when ``delete`` found none of the requests, 2 when
-    there is no dataset at the path."""
+    """Run one verb; prints ``key: value`` lines (``--json``: one JSON object). Exit 1 when
+    ``delete`` found none of the requests, 2 (message on stderr) when there is no dataset."""
     from tide.dataset.index import INDEX_NAME, DatasetIndex
     from tide.dataset.retention import apply_retention, delete_request
 
     data_dir = Path(args.data_dir or cfg.ingest.data_dir or cfg.home_path / "dataset")
     if not (data_dir / INDEX_NAME).exists():
-        print(f"error: no dataset at {data_dir} (no {INDEX_NAME}); pass --data-dir")
+        print(f"error: no dataset at {data_dir} (no {INDEX_NAME}); pass --data-dir", file=sys.stderr)
         return 2
     index = DatasetIndex(data_dir)
     try:
@@ -48,17 +51,25 @@ def run_data(args: argparse.Namespace, cfg) -> int:
             for key in ("min_time_s", "max_time_s"):
                 if out[key] is not None:
                     out[key.replace("_s", "_utc")] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(out[key]))
-            print(json.dumps(out, indent=1))
+            _print(out, args.json)
             return 0
         if args.verb == "delete":
             removed = {rid: delete_request(data_dir, rid, index) for rid in args.request_ids}
-            print(json.dumps({"data_dir": str(data_dir), "rows_removed": removed}, indent=1))
+            _print({"data_dir": str(data_dir), "rows_removed": removed}, args.json)
             return 0 if any(removed.values()) else 1
         if args.verb == "retention":
             ic = cfg.ingest
             deleted = apply_retention(data_dir, index, ic.retention_ttl_s, ic.retention_max_bytes)
-            print(json.dumps({"data_dir": str(data_dir), "files_deleted": deleted}, indent=1))
+            _print({"data_dir": str(data_dir), "files_deleted": deleted}, args.json)
             return 0
     finally:
         index.close()
     raise AssertionError(args.verb)
+
+
+def _print(out: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return
+    for key, value in out.items():
+        print(f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}")

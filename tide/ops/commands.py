@@ -18,8 +18,6 @@ import json
 import sys
 from typing import Callable
 
-from tide.ops import inventory
-
 EXIT_ERROR = 2
 
 
@@ -42,18 +40,23 @@ def add_drafters_parser(sub, fn: Callable[[argparse.Namespace], int]) -> None:
     v.add_argument("--actor", help="who (default cli:<user>)")
     v.add_argument("--reason", default="")
     v.add_argument("--force", action="store_true", help="skip validating the artifact first")
+    v.add_argument("--json", action="store_true")
     v = verbs.add_parser("rollback", help="champion back to previous-champion")
     v.add_argument("--actor")
     v.add_argument("--reason", default="")
+    v.add_argument("--json", action="store_true")
     v = verbs.add_parser("diff", help="recorded metrics of two versions side by side")
     v.add_argument("version", type=int)
     v.add_argument("other", type=int)
-    verbs.add_parser("history", help="recorded promote/rollback operations")
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("history", help="recorded promote/rollback operations")
+    v.add_argument("--json", action="store_true")
     p.set_defaults(fn=fn)
 
 
 def run_drafters(args: argparse.Namespace, cfg) -> int:
     """Run one verb; registry and engine problems print ``error: ...`` and return 2."""
+    from tide.ops import inventory  # imported here: `tide --help` must not load torch or MLflow
     from tide.registry import Registry, RegistryError
 
     try:
@@ -84,6 +87,8 @@ def _actor(args: argparse.Namespace) -> str:
 
 
 def _list(args, registry, engine) -> int:
+    from tide.ops import inventory
+
     live = _live(engine)
     records = [inventory.version_record(v, live) for v in registry.list_versions()]
     if args.json:
@@ -96,6 +101,8 @@ def _list(args, registry, engine) -> int:
 
 
 def _show(args, registry, engine) -> int:
+    from tide.ops import inventory
+
     info = registry.get_version(args.version)
     live = _live(engine)
     if args.json:
@@ -131,36 +138,56 @@ def _promote(args, registry, engine) -> int:
     if not args.force:
         _validate(registry, args.version)
     old, new = registry.promote(args.version, actor=_actor(args), reason=args.reason)
-    print(f"champion: {old if old is not None else '-'} -> {new}")
-    return _check_engine(engine)
+    return _report_change(args, old, new, engine, "promoted")
 
 
 def _rollback(args, registry, engine) -> int:
     old, new = registry.rollback(actor=_actor(args), reason=args.reason)
-    print(f"champion: {old} -> {new} (rolled back)")
-    return _check_engine(engine)
+    return _report_change(args, old, new, engine, "rolled back")
 
 
-def _check_engine(engine) -> int:
+def _report_change(args, old, new, engine, what: str) -> int:
+    outcome, code = _check_engine(engine)
+    if args.json:
+        print(json.dumps({"op": what, "from": old, "to": new, "engine": outcome}, indent=1))
+    else:
+        print(f"champion: {old if old is not None else '-'} -> {new} ({what})")
+        if outcome is not None:
+            print(f"engine {engine.url}: {outcome['status']} {outcome.get('version') or ''} "
+                  f"{outcome.get('detail') or ''}")
+    return code
+
+
+def _check_engine(engine) -> tuple[dict | None, int]:
+    """Ask a running engine to follow the alias now: (its answer, exit status)."""
     if engine is None:
-        return 0
+        return None, 0
     try:
         outcome = engine.check()
     except Exception as exc:  # noqa: BLE001 - the registry change stands; engines poll anyway
         print(f"warning: the registry changed but {engine.url} could not be asked to check: {exc}",
               file=sys.stderr)
-        return 1
-    print(f"engine {engine.url}: {outcome['status']} {outcome.get('version') or ''} {outcome.get('detail') or ''}")
-    return 0 if outcome["status"] in ("swapped", "unchanged") else 1
+        return {"status": "unreachable", "detail": str(exc)}, 1
+    return outcome, 0 if outcome["status"] in ("swapped", "unchanged") else 1
 
 
 def _diff(args, registry, engine) -> int:
-    a, b = registry.get_version(args.version), registry.get_version(args.other)
-    print(inventory.rows_text(inventory.diff_rows(a, b)))
+    from tide.ops import inventory
+
+    rows = inventory.diff_rows(registry.get_version(args.version), registry.get_version(args.other))
+    if args.json:
+        print(json.dumps([dict(zip(("name", "a", "b", "delta"), row)) for row in rows], indent=1))
+    else:
+        print(inventory.rows_text(rows))
     return 0
 
 
 def _history(args, registry, engine) -> int:
+    from tide.ops import inventory
+
     ops = registry.operations()
-    print("\n".join(inventory.operation_line(op) for op in ops) if ops else "no operations recorded")
+    if args.json:
+        print(json.dumps(ops, indent=1))
+    else:
+        print("\n".join(inventory.operation_line(op) for op in ops) if ops else "no operations recorded")
     return 0

@@ -7,12 +7,12 @@ from tide.dataset.reader import DatasetReader
 
 
 def _run(capsys, tmp_path, *argv) -> tuple[int, dict | str]:
-    code = main(["--home", str(tmp_path / "home"), "data", "--data-dir", str(tmp_path / "ds"), *argv])
-    out = capsys.readouterr().out
+    code = main(["--home", str(tmp_path / "home"), "data", "--data-dir", str(tmp_path / "ds"), *argv, "--json"])
+    out, err = capsys.readouterr()
     try:
         return code, json.loads(out)
     except json.JSONDecodeError:
-        return code, out
+        return code, out + err
 
 
 def test_stats_delete_and_retention(tmp_path, capsys, helpers):
@@ -39,5 +39,18 @@ def test_stats_delete_and_retention(tmp_path, capsys, helpers):
 
 
 def test_no_dataset_is_a_clear_error(tmp_path, capsys):
-    code, out = _run(capsys, tmp_path, "stats")
-    assert code == 2 and "no dataset at" in out and not (tmp_path / "ds").exists()
+    code = main(["--home", str(tmp_path / "home"), "data", "--data-dir", str(tmp_path / "ds"), "stats", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "no dataset at" in err and not (tmp_path / "ds").exists()
+
+
+def test_text_output_names_each_field(tmp_path, capsys, helpers):
+    ds = tmp_path / "ds"
+    index = DatasetIndex(ds)
+    stats, rids = helpers.write_file(ds, [helpers.make_record("r1", at_s=1_700_000_000.0, seed=1)],
+                                     max_message_bytes=2000)
+    index.add(stats, rids)
+    index.close()
+    code = main(["--home", str(tmp_path / "home"), "data", "--data-dir", str(ds), "stats"])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0 and "requests: 1" in lines and "files: 1" in lines

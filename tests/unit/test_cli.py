@@ -1,0 +1,42 @@
+"""The ``tide`` command as an operator scripts it: cheap help, a version, options after the verb,
+errors on stderr with a non-zero exit, and the running stack's control token."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tide.cli import main
+
+
+def test_help_loads_neither_torch_nor_mlflow():
+    code = ("import sys\nfrom tide.cli import main\n"
+            "for argv in (['--help'], ['drafters', '--help'], ['data', 'stats', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0\n"
+            "print(sorted(m for m in ('torch', 'mlflow', 'transformers', 'pyarrow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("tide ")
+
+
+def test_home_after_the_verb_is_honoured(tmp_path, capsys):
+    home = tmp_path / "elsewhere"
+    assert main(["data", "stats", "--home", str(home)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"no dataset at {home / 'dataset'}" in err
+
+
+def test_token_of_a_running_stack(tmp_path, capsys):
+    home = tmp_path / "home"
+    assert main(["--home", str(home), "token"]) == 2
+    assert "no running `tide up` config" in capsys.readouterr().err
+    (home / "run").mkdir(parents=True)
+    (home / "run" / "tide.yaml").write_text(yaml.safe_dump({"server": {"control_token": "s3cret"}}))
+    assert main(["token", "--home", str(home)]) == 0
+    assert capsys.readouterr().out.strip() == "s3cret"
