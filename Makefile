@@ -12,6 +12,7 @@ demo: install
 	$(PY) -m tide.cli demo
 
 test: install
+	$(PY) -m ruff check tide tests bench services scripts
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-unit: install

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 
 from bench.report import print_table, write_json  # noqa: E402
 from tide.config import load_config  # noqa: E402
-from tide.models.llama import LlamaTarget  # noqa: E402
 from tide.models.checkpoint import ensure_target_checkpoint  # noqa: E402
+from tide.models.llama import LlamaTarget  # noqa: E402
 
 
 def main() -> int:

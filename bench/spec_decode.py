@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
 
 from bench.report import print_table, write_json  # noqa: E402
+from tide import workloads  # noqa: E402
 from tide.config import load_config  # noqa: E402
 from tide.drafter.artifact import TargetSpec, load_drafter  # noqa: E402
 from tide.drafter.model import for_serving  # noqa: E402
@@ -31,7 +31,6 @@ from tide.engine.reference import ReferenceEngine, load_target  # noqa: E402
 from tide.report import ModeResult, ratio_interval  # noqa: E402
 from tide.spec.generate import generate  # noqa: E402
 from tide.train.offline import render_prompt  # noqa: E402
-from tide import workloads  # noqa: E402
 
 
 def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0):

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 
 from tide import prometheus, workloads
+from tide.metrics import SCHED_RETRAINS_FINISHED
 from tide.report import compare, plot_acceptance, ratio_interval, write_summary
 from tide.stack import Stack, StackOptions
-from tide.metrics import SCHED_RETRAINS_FINISHED
 from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_value, replay, scrape
 
 

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, stop = started
 
     from tide.dataset.index import DatasetIndex
-    from tide.schedule import RetrainScheduler, StateStore, build_launcher, default_state_path
     from tide.health_server import HealthServer
+    from tide.schedule import RetrainScheduler, StateStore, build_launcher, default_state_path
 
     scfg = cfg.schedule
     data_dir = cfg.ingest.data_dir or str(cfg.home_path / "dataset")

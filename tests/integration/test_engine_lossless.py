@@ -8,13 +8,13 @@ import threading
 import pytest
 import torch
 
+from tide import workloads
 from tide.config import load_config
 from tide.drafter.artifact import TargetSpec, load_drafter
 from tide.drafter.static import static_drafter_path
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine, load_target
 from tide.train.offline import new_drafter, render_prompt
-from tide import workloads
 
 pytestmark = pytest.mark.slow
 

@@ -33,8 +33,18 @@ from tide.models.tiny import tiny_llama_checkpoint
 from tide.ops.follower import DrafterFollower
 from tide.ops.inventory import live_acceptance_from_metrics
 from tide.ops.promotion import maybe_auto_promote
-from tide.registry import (ARTIFACT_PATH, CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, TAG_PARENT,
-                           TAG_PARENT_SIM_ACCEPT, TAG_SIM_ACCEPT, DrafterArtifact, Registry, folder_digest)
+from tide.registry import (
+    ARTIFACT_PATH,
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    TAG_PARENT,
+    TAG_PARENT_SIM_ACCEPT,
+    TAG_SIM_ACCEPT,
+    DrafterArtifact,
+    Registry,
+    folder_digest,
+)
 from tide.spec.generate import generate
 from tide.train.offline import generate_samples, new_drafter
 from tide.train.trainer import train

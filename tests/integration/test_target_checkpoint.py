@@ -11,8 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tide.config import default_home
-from tide.models.checkpoint import (CONVERSION_RECORD, SMOLLM2_CACHE_NAME, ensure_target_checkpoint,
-                                    smollm2_gguf_path)
+from tide.models.checkpoint import CONVERSION_RECORD, SMOLLM2_CACHE_NAME, ensure_target_checkpoint, smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)

@@ -12,8 +12,18 @@ import pytest
 
 from tide.config import RegistryConfig
 from tide.drafter.artifact import load_drafter, save_drafter
-from tide.registry import (CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, TAG_PARENT, TAG_PID, TAG_REGISTRATION,
-                           ChecksumError, Registry, RegistryError, folder_digest)
+from tide.registry import (
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    TAG_PARENT,
+    TAG_PID,
+    TAG_REGISTRATION,
+    ChecksumError,
+    Registry,
+    RegistryError,
+    folder_digest,
+)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,19 @@ import time
 
 import pytest
 
-from tide.workloads import (Prompt, WorkloadError, code, korean, load_jsonl_workload, load_workload,
-                            select, sharegpt, split_of, write_jsonl_workload)
-from tide.workloads.sharegpt import (first_turn_pairs, hangul_ratio, is_english, iter_records,
-                                     looks_like_code)
+from tide.workloads import (
+    Prompt,
+    WorkloadError,
+    code,
+    korean,
+    load_jsonl_workload,
+    load_workload,
+    select,
+    sharegpt,
+    split_of,
+    write_jsonl_workload,
+)
+from tide.workloads.sharegpt import first_turn_pairs, hangul_ratio, is_english, iter_records, looks_like_code
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tide.dataset.schema import (COLUMN_COMPRESSION, PARQUET_SCHEMA, STATISTICS_COLUMNS, FileName,
-                                 Row, rows_to_table)
+from tide.dataset.schema import COLUMN_COMPRESSION, PARQUET_SCHEMA, STATISTICS_COLUMNS, FileName, Row, rows_to_table
 
 
 def fsync_dir(path: Path) -> None:

@@ -25,8 +25,7 @@ import torch
 
 from tide import metrics
 from tide.drafter.model import Eagle3Drafter, for_serving
-from tide.engine.base import (CaptureMeta, CaptureSink, EngineStats, GenerationRequest, StepCapture,
-                              TokenEvent)
+from tide.engine.base import CaptureMeta, CaptureSink, EngineStats, GenerationRequest, StepCapture, TokenEvent
 from tide.models.llama import LlamaTarget
 from tide.models.target import eos_ids_of, load_target  # noqa: F401  (re-exported)
 from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step, target_step

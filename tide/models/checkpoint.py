@@ -193,8 +193,8 @@ def _publishable_permissions(folder: Path) -> None:
 
 
 def _convert(gguf: Path, out: Path, bar, steps: list[str]) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     folder, name = str(gguf.parent), gguf.name
     bar.set_postfix_str(steps[0])
@@ -282,8 +282,8 @@ def _make_portable(out: Path, config) -> None:
 
 def _verify_reload(source, tokenizer, out: Path) -> float:
     """Reload ``out`` with transformers; its logits and tokens must match the GGUF-loaded model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reloaded_tokenizer = AutoTokenizer.from_pretrained(out)
     ids = tokenizer.apply_chat_template(_VERIFY_MESSAGES, add_generation_prompt=True, tokenize=True,

@@ -12,8 +12,8 @@ from typing import Mapping
 
 import httpx
 
-from tide.ops.promotion import TAG_ROLLED_BACK
 from tide.metrics import ENGINE_ACCEPT_LENGTH
+from tide.ops.promotion import TAG_ROLLED_BACK
 from tide.registry import TAG_PARENT_SIM_ACCEPT, TAG_WINDOW_END, TAG_WINDOW_START, VersionInfo
 
 ACCEPT_METRIC = ENGINE_ACCEPT_LENGTH.describe()[0].name  # histogram of tokens per forward, by version

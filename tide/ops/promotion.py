@@ -17,8 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from tide.registry import (CHALLENGER, CHAMPION, TAG_PARENT, TAG_PARENT_SIM_ACCEPT, Registry,
-                           VersionInfo)
+from tide.registry import CHALLENGER, CHAMPION, TAG_PARENT, TAG_PARENT_SIM_ACCEPT, Registry, VersionInfo
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,7 @@ from typing import Any, Callable
 
 from tide import metrics
 from tide.schedule.launcher import JobSpec, Launcher, Outcome
-from tide.schedule.policy import (Decision, check_config, count_new_samples, decide,
-                                  newest_created_s, watermark_of)
+from tide.schedule.policy import Decision, check_config, count_new_samples, decide, newest_created_s, watermark_of
 from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateStore
 
 log = logging.getLogger(__name__)

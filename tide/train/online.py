@@ -37,8 +37,19 @@ from pathlib import Path
 from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save_drafter
 from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
-from tide.registry import (CHALLENGER, CHAMPION, TAG_CODE, TAG_KIND, TAG_PARENT, TAG_PARENT_SIM_ACCEPT,
-                           TAG_SIM_ACCEPT, TAG_WINDOW_END, TAG_WINDOW_START, Registry, code_version)
+from tide.registry import (
+    CHALLENGER,
+    CHAMPION,
+    TAG_CODE,
+    TAG_KIND,
+    TAG_PARENT,
+    TAG_PARENT_SIM_ACCEPT,
+    TAG_SIM_ACCEPT,
+    TAG_WINDOW_END,
+    TAG_WINDOW_START,
+    Registry,
+    code_version,
+)
 from tide.train.window import WindowPlan, WindowSpec, load_window, plan_window
 
 log = logging.getLogger(__name__)

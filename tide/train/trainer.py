@@ -25,7 +25,6 @@ from tqdm import tqdm
 from tide.drafter.model import Eagle3Drafter
 from tide.train.objective import Batch, eagle3_loss, simulated_acceptance, target_top_tokens
 
-
 # steps after which a wall-time cap resizes the schedule to the steps that fit: early (the first
 # steps include warm-up costs and few batch shapes), then again on a steadier average (a single
 # early estimate ended a retrain measured here at 130 s of its 200 s cap)

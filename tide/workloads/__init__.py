@@ -14,8 +14,16 @@ from pathlib import Path
 
 from tide.workloads.code import code
 from tide.workloads.korean import korean
-from tide.workloads.prompt import (HELDOUT_PER_MILLE, SPLITS, Prompt, WorkloadError,
-                                   load_jsonl_workload, select, split_of, write_jsonl_workload)
+from tide.workloads.prompt import (
+    HELDOUT_PER_MILLE,
+    SPLITS,
+    Prompt,
+    WorkloadError,
+    load_jsonl_workload,
+    select,
+    split_of,
+    write_jsonl_workload,
+)
 from tide.workloads.sharegpt import sharegpt
 
 BUILTIN_WORKLOADS = ("chat", "code", "korean", "sharegpt-code")

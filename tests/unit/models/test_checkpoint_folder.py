@@ -5,10 +5,16 @@ import time
 
 import pytest
 
-from tide.models.checkpoint import (CONVERSION_FORMAT, CONVERSION_RECORD, SMOLLM2_CACHE_NAME,
-                                    CheckpointError, convert_gguf_checkpoint,
-                                    ensure_target_checkpoint, smollm2_gguf_path,
-                                    validate_checkpoint_folder)
+from tide.models.checkpoint import (
+    CONVERSION_FORMAT,
+    CONVERSION_RECORD,
+    SMOLLM2_CACHE_NAME,
+    CheckpointError,
+    convert_gguf_checkpoint,
+    ensure_target_checkpoint,
+    smollm2_gguf_path,
+    validate_checkpoint_folder,
+)
 from tide.models.tiny import tiny_llama_checkpoint
 
 

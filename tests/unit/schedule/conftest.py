@@ -5,12 +5,11 @@ import time
 from pathlib import Path
 
 import pytest
+from retrain_stub import kill_stubs  # noqa: E402 - this folder is on sys.path (conftest)
 
 from tide.config import ScheduleConfig
 from tide.dataset.index import DatasetIndex
 from tide.dataset.writer import FileStats
-
-from retrain_stub import kill_stubs  # noqa: E402 - this folder is on sys.path (conftest)
 
 STUB = Path(__file__).with_name("retrain_stub.py")
 

@@ -9,8 +9,14 @@ import pytest
 from kubernetes import client
 
 from tide.config import ScheduleConfig, load_config
-from tide.schedule.kubernetes_launcher import (build_job, interpret_job_status, job_env, job_name,
-                                               parse_toleration, summary_from_pods)
+from tide.schedule.kubernetes_launcher import (
+    build_job,
+    interpret_job_status,
+    job_env,
+    job_name,
+    parse_toleration,
+    summary_from_pods,
+)
 
 
 def _sc(**kw) -> ScheduleConfig:

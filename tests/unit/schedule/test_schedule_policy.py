@@ -1,8 +1,7 @@
 """Trigger policy: gates in order, exponential backoff, new-sample counting from the real index."""
 import pytest
 
-from tide.schedule.policy import (backoff_delay_s, count_new_samples, decide, newest_created_s,
-                                  watermark_of)
+from tide.schedule.policy import backoff_delay_s, count_new_samples, decide, newest_created_s, watermark_of
 from tide.schedule.state import FinishedJob, RunningJob, SchedulerState
 
 

@@ -29,9 +29,8 @@ def test_draft_stops_rows_below_the_probability_threshold(tiny_target, tiny_draf
 
     def rows():
         out = []
+        tcache = tiny_target.new_cache(3, 128)  # one cache, a slot per prompt
         for slot, prompt in enumerate(_prompts(tiny_target.shape.vocab_size, 3, seed=4)):
-            tc = tiny_target.new_cache(3, 128) if slot == 0 else tcache
-            tcache = tc
             pre = tiny_target.forward(torch.tensor([prompt]), torch.tensor([0]), tcache, torch.tensor([slot]))
             out.append(RowInput(slot=slot, t_len=len(prompt), pending=int(pre.logits[0, -1].argmax()),
                                 feed_start=0, feed_tokens=torch.tensor(prompt[1:] + [int(pre.logits[0, -1].argmax())]),
