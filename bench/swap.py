@@ -142,9 +142,10 @@ def prepare(args, work: Path):
     import yaml
 
     from tide.config import load_config
+    from tide.contracts import CHALLENGER, TAG_KIND, TAG_PARENT
     from tide.drafter.artifact import load_drafter, save_drafter
     from tide.drafter.static import static_drafter_path
-    from tide.registry import CHALLENGER, TAG_KIND, TAG_PARENT, Registry
+    from tide.registry import Registry
 
     torch.set_num_threads(1)
     overrides: dict = {

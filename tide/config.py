@@ -129,7 +129,7 @@ class IngestConfig:
     # default, -1 = keep forever (Kafka's meaning); the broker refuses other negatives at creation
     topic_retention_ms: int = 24 * 3600 * 1000
     data_dir: str = ""  # empty = <home>/dataset
-    # tansu holds a JoinGroup for ~session_timeout/2: keep it short (see KAFKA.md)
+    # the tansu broker holds a JoinGroup for about session_timeout/2 before answering: keep it short
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 2000
     poll_timeout_s: float = 0.5

@@ -12,7 +12,8 @@ All integers are little-endian; hidden states are raw ``hidden_dtype`` bytes (bf
 float8_e4m3fn) and the CRC covers every byte before it. Decoding garbage raises ``RecordError``
 with a ``reason`` that ingest puts in the dead-letter headers.
 
-This module imports nothing else from ``tide`` and needs only numpy.
+This module imports only ``tide.contracts`` and numpy (torch only inside ``hidden_bytes``, whose
+callers hold torch tensors already).
 """
 from __future__ import annotations
 
@@ -24,23 +25,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tide.contracts import DEAD_MALFORMED, DEAD_OVERSIZED, DEAD_UNKNOWN_VERSION, HIDDEN_ITEMSIZE
+
 SCHEMA_VERSION = 1
 MAGIC = b"TIDR"
 _PREFIX = struct.Struct("<4sHI")  # magic, schema version, header length
 _CRC = struct.Struct("<I")
-HIDDEN_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1}
 _MAX_HEADER_BYTES = 64 * 1024
 
-# reasons (also dead-letter header values)
-MALFORMED = "malformed"
-UNKNOWN_VERSION = "unknown_version"
-OVERSIZED = "oversized"
 
 
 class RecordError(ValueError):
     """A record cannot be encoded or decoded; ``reason`` is one of the constants above."""
 
-    def __init__(self, message: str, reason: str = MALFORMED) -> None:
+    def __init__(self, message: str, reason: str = DEAD_MALFORMED) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -153,11 +151,11 @@ def decode(value: bytes, max_bytes: int | None = None) -> Record:
     section lengths from (num_tokens, hidden_size, hidden_dtype) -> arrays.
     """
     if max_bytes is not None and len(value) > max_bytes:
-        raise RecordError(f"value is {len(value)} bytes, limit {max_bytes}", OVERSIZED)
+        raise RecordError(f"value is {len(value)} bytes, limit {max_bytes}", DEAD_OVERSIZED)
     version = peek_version(value)
     if version != SCHEMA_VERSION:
         raise RecordError(f"schema version {version}, this build reads {SCHEMA_VERSION}",
-                          UNKNOWN_VERSION)
+                          DEAD_UNKNOWN_VERSION)
     if len(value) < _PREFIX.size + _CRC.size:
         raise RecordError("value truncated")
     view = memoryview(value)
@@ -228,7 +226,7 @@ def split(record: Record, max_message_bytes: int) -> list[Record]:
     per_chunk = (max_message_bytes - overhead) // record.bytes_per_token
     if per_chunk < 1:
         raise RecordError(f"one position needs {record.bytes_per_token + overhead} bytes, more than "
-                          f"max_message_bytes={max_message_bytes}", OVERSIZED)
+                          f"max_message_bytes={max_message_bytes}", DEAD_OVERSIZED)
     count = max(1, -(-t // per_chunk))
     item = HIDDEN_ITEMSIZE[record.hidden_dtype]
     aux_row, final_row = 3 * record.hidden_size * item, record.hidden_size * item
@@ -274,3 +272,13 @@ def hidden_to_float32(raw: bytes, dtype: str, hidden_width: int) -> np.ndarray:
     if flat.size % hidden_width:
         raise RecordError(f"{flat.size} values do not divide into rows of {hidden_width}")
     return flat.reshape(-1, hidden_width)
+
+
+def hidden_bytes(tensor, dtype: str) -> bytes:
+    """Row-major raw bytes of a torch ``tensor`` cast to the storage ``dtype`` (a copy; never aliases).
+    The one encoder of hidden states: capture and the training-side record writer both call it."""
+    import torch
+
+    bits = torch.int16 if HIDDEN_ITEMSIZE[dtype] == 2 else torch.uint8
+    cast = tensor.detach().to(device="cpu", dtype=getattr(torch, dtype)).contiguous()
+    return cast.view(bits).numpy().tobytes()

@@ -37,27 +37,28 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from tide.config import RegistryConfig
+from tide.contracts import (
+    CHALLENGER,
+    CHAMPION,
+    OP_TAG_PREFIX,
+    PREVIOUS_CHAMPION,
+    TAG_CHECKSUM,
+    TAG_CODE,
+    TAG_HOST,
+    TAG_KIND,
+    TAG_PARENT,
+    TAG_PID,
+    TAG_REGISTRATION,
+    TAG_ROLLED_BACK,
+    TAG_SIM_ACCEPT,
+    TAG_VOCAB,
+    TAG_WEIGHTS_SHA,
+)
 from tide.drafter.artifact import WEIGHTS, file_sha256, read_metadata
 
 log = logging.getLogger(__name__)
 
-CHAMPION, CHALLENGER, PREVIOUS_CHAMPION = "champion", "challenger", "previous-champion"
 ARTIFACT_PATH = "drafter"
-# version / run tags (lineage); values are strings in MLflow
-TAG_KIND = "tide.kind"  # static | retrain
-TAG_REGISTRATION = "tide.registration"  # pending | complete
-TAG_PARENT = "tide.parent_version"
-TAG_WINDOW_START = "tide.data_window_start_s"
-TAG_WINDOW_END = "tide.data_window_end_s"
-TAG_CHECKSUM = "tide.artifact_sha256"  # digest of the whole drafter folder (folder_digest)
-TAG_WEIGHTS_SHA = "tide.weights_sha256"  # sha256 of model.safetensors (also in tide.json)
-TAG_VOCAB = "tide.vocab_mapping"
-TAG_CODE = "tide.code_version"
-TAG_SIM_ACCEPT = "tide.sim_accept_length"  # this version, on its run's held-out slice
-TAG_PARENT_SIM_ACCEPT = "tide.parent_sim_accept_length"  # its parent, same slice
-TAG_ROLLED_BACK = "tide.rolled_back"  # set on the version a rollback moved away from (its reason)
-TAG_HOST, TAG_PID = "tide.host", "tide.pid"
-OP_TAG_PREFIX = "tide.op."  # registered-model tags: one per promote/rollback
 
 
 class RegistryError(RuntimeError):

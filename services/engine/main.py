@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     # imported here so --help and config errors answer without loading torch and the model
     from tide.engine.reference import build_engine
     from tide.engine.server import build_app, serve
+    from tide.ops.control_api import control_plane
 
     engine = build_engine(cfg)
     tap = None
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             follower.start()  # never raises for registry trouble: the engine serves what it has
         log.info("engine ready: target=%s drafter=%s max_seq_len=%d",
                  engine.target_model_id, engine.drafter_version, engine.max_seq_len)
-        app = build_app(engine, cfg.server, cfg.engine, ops=follower)
+        app = build_app(engine, cfg.server, cfg.engine, ops=control_plane(follower) if follower else None)
         serve(app, cfg.server.host, cfg.server.port, stop, grace_s=cfg.server.shutdown_grace_s)
     finally:
         if follower is not None:

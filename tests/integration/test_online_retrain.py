@@ -16,12 +16,14 @@ import torch
 import yaml
 
 from tide.config import load_config
+from tide.contracts import CHALLENGER, CHAMPION
+from tide.contracts import RETRAIN_NOTHING_TO_DO as NOTHING_TO_DO
 from tide.drafter.artifact import TargetSpec, load_drafter, save_drafter
 from tide.drafter.static import cached_static_path
 from tide.drafter.vocab import mapping_digest
-from tide.registry import CHALLENGER, CHAMPION, Registry
+from tide.registry import Registry
 from tide.train.capture_log import log_samples
-from tide.train.online import NOTHING_TO_DO, run_cli
+from tide.train.online import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_ID = "tiny/test-target"

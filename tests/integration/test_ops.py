@@ -24,16 +24,7 @@ from prometheus_client import REGISTRY
 from safetensors.torch import load_file, save_file
 
 from tide.config import load_config
-from tide.drafter.artifact import load_drafter, save_drafter
-from tide.drafter.vocab import build_d2t
-from tide.engine.reference import build_engine
-from tide.engine.server import HttpServer, build_app
-from tide.models.llama import LlamaTarget
-from tide.models.tiny import tiny_llama_checkpoint
-from tide.ops.follower import DrafterFollower
-from tide.ops.inventory import live_acceptance_from_metrics
-from tide.ops.promotion import maybe_auto_promote
-from tide.registry import (
+from tide.contracts import (
     ARTIFACT_PATH,
     CHALLENGER,
     CHAMPION,
@@ -41,10 +32,18 @@ from tide.registry import (
     TAG_PARENT,
     TAG_PARENT_SIM_ACCEPT,
     TAG_SIM_ACCEPT,
-    DrafterArtifact,
-    Registry,
-    folder_digest,
 )
+from tide.drafter.artifact import load_drafter, save_drafter
+from tide.drafter.vocab import build_d2t
+from tide.engine.reference import build_engine
+from tide.engine.server import HttpServer, build_app
+from tide.models.llama import LlamaTarget
+from tide.models.tiny import tiny_llama_checkpoint
+from tide.ops.control_api import control_plane
+from tide.ops.follower import DrafterFollower
+from tide.ops.inventory import live_acceptance_from_metrics
+from tide.ops.promotion import maybe_auto_promote
+from tide.registry import DrafterArtifact, Registry, folder_digest
 from tide.spec.generate import generate
 from tide.train.offline import generate_samples, new_drafter
 from tide.train.trainer import train
@@ -103,7 +102,7 @@ class Stack:
         self.engine = build_engine(cfg)
         self.follower = DrafterFollower.from_config(self.engine, cfg)
         self.follower.start()
-        self.server = HttpServer(build_app(self.engine, cfg.server, cfg.engine, ops=self.follower),
+        self.server = HttpServer(build_app(self.engine, cfg.server, cfg.engine, ops=control_plane(self.follower)),
                                  "127.0.0.1", 0, grace_s=1, log_level="warning")
         self.url = f"http://127.0.0.1:{self.server.start()}"
         self.auth = {"Authorization": f"Bearer {TOKEN}"}

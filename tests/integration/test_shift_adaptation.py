@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from tide.config import load_config
+from tide.contracts import CHALLENGER, CHAMPION
+from tide.contracts import RETRAIN_REGISTERED as REGISTERED
 from tide.drafter.artifact import DrafterError
 from tide.drafter.static import cached_static_path, static_drafter_path
-from tide.registry import CHALLENGER, CHAMPION, Registry
+from tide.registry import Registry
 from tide.train.capture_log import log_samples
-from tide.train.online import REGISTERED, plan_for, run_retrain
+from tide.train.online import plan_for, run_retrain
 
 pytestmark = pytest.mark.slow
 

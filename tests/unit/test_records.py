@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tide import records
+from tide import contracts, records
 from tide.records import Record, RecordError, decode, encode, hidden_to_float32, split
 
 SCHEMA_FILE = Path(__file__).resolve().parents[2] / "schemas" / "record_value.schema.json"
@@ -16,7 +16,7 @@ SCHEMA_FILE = Path(__file__).resolve().parents[2] / "schemas" / "record_value.sc
 
 def make_record(t: int = 7, h: int = 16, dtype: str = "bfloat16", seed: int = 0) -> Record:
     rng = np.random.default_rng(seed)
-    item = records.HIDDEN_ITEMSIZE[dtype]
+    item = contracts.HIDDEN_ITEMSIZE[dtype]
     return Record(
         request_id=f"req-{seed}", target_model_id="org/model", drafter_version="v3",
         aux_layer_ids=(2, 15, 27), workload="code", started_at_s=1000.5, finished_at_s=1001.25,
@@ -70,18 +70,18 @@ def test_split_chunks_fit_and_rejoin():
 def test_split_refuses_a_position_larger_than_the_limit():
     with pytest.raises(RecordError) as err:
         split(make_record(h=4096), 10_000)
-    assert err.value.reason == records.OVERSIZED
+    assert err.value.reason == contracts.DEAD_OVERSIZED
 
 
 def test_garbage_is_rejected_with_a_reason():
     value = encode(make_record())
     cases = {
-        b"": records.MALFORMED,
-        b"hello world, not a record": records.MALFORMED,
-        value[:-10]: records.MALFORMED,  # truncated
-        value[:40] + bytes([value[40] ^ 0xFF]) + value[41:]: records.MALFORMED,  # CRC
-        value[:4] + struct.pack("<H", 99) + value[6:]: records.UNKNOWN_VERSION,
-        np.random.default_rng(1).bytes(5000): records.MALFORMED,
+        b"": contracts.DEAD_MALFORMED,
+        b"hello world, not a record": contracts.DEAD_MALFORMED,
+        value[:-10]: contracts.DEAD_MALFORMED,  # truncated
+        value[:40] + bytes([value[40] ^ 0xFF]) + value[41:]: contracts.DEAD_MALFORMED,  # CRC
+        value[:4] + struct.pack("<H", 99) + value[6:]: contracts.DEAD_UNKNOWN_VERSION,
+        np.random.default_rng(1).bytes(5000): contracts.DEAD_MALFORMED,
     }
     for garbage, reason in cases.items():
         with pytest.raises(RecordError) as err:
@@ -89,7 +89,7 @@ def test_garbage_is_rejected_with_a_reason():
         assert err.value.reason == reason, garbage[:20]
     with pytest.raises(RecordError) as err:
         decode(value, max_bytes=len(value) - 1)
-    assert err.value.reason == records.OVERSIZED
+    assert err.value.reason == contracts.DEAD_OVERSIZED
 
 
 def test_consistent_crc_but_lying_header_is_rejected():
@@ -137,7 +137,7 @@ def test_schema_file_matches_the_header():
     for key, spec in schema["properties"].items():
         if "enum" in spec:
             assert header[key] in spec["enum"]
-            assert set(spec["enum"]) == set(records.HIDDEN_ITEMSIZE)
+            assert set(spec["enum"]) == set(contracts.HIDDEN_ITEMSIZE)
             continue
         types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
         assert isinstance(header[key], tuple(json_types[t] for t in types)), key

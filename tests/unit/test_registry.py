@@ -11,19 +11,9 @@ from pathlib import Path
 import pytest
 
 from tide.config import RegistryConfig
+from tide.contracts import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, TAG_PARENT, TAG_PID, TAG_REGISTRATION
 from tide.drafter.artifact import load_drafter, save_drafter
-from tide.registry import (
-    CHALLENGER,
-    CHAMPION,
-    PREVIOUS_CHAMPION,
-    TAG_PARENT,
-    TAG_PID,
-    TAG_REGISTRATION,
-    ChecksumError,
-    Registry,
-    RegistryError,
-    folder_digest,
-)
+from tide.registry import ChecksumError, Registry, RegistryError, folder_digest
 
 
 @pytest.fixture(scope="module")

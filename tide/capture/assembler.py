@@ -17,21 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tide.contracts import HIDDEN_ITEMSIZE
 from tide.engine.base import CaptureMeta, StepCapture
-from tide.records import HIDDEN_ITEMSIZE, Record
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
-_BIT_VIEWS = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8}
+from tide.records import Record, hidden_bytes
 
 
 class GapError(ValueError):
     """A step does not start where the previous one ended."""
-
-
-def hidden_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
-    """Row-major raw bytes of ``tensor`` cast to the storage dtype (a copy; never aliases)."""
-    cast = tensor.detach().to(device="cpu", dtype=_TORCH_DTYPES[dtype]).contiguous()
-    return cast.view(_BIT_VIEWS[dtype]).numpy().tobytes()
 
 
 @dataclass

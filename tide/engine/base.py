@@ -1,12 +1,14 @@
-"""The engine interface: the few methods capture, ops and the HTTP server rely on.
+"""The engine contract: the one base class capture, ops, the HTTP server and the demo rely on.
 
-Both the reference engine (tide/engine/reference.py) and the SGLang plugin satisfy it, so
-capture/, ops/ and the server do not care which engine runs.
+The reference engine (tide/engine/reference.py) implements it and the SGLang plugin will, so
+capture/, ops/ and the server do not care which engine runs; they never reach past it.
 """
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -96,23 +98,56 @@ class EngineStats:
         return dataclasses.replace(self, acceptance={k: list(v) for k, v in self.acceptance.items()})
 
 
-class Engine(Protocol):
-    """What every engine offers. ``submit`` is thread-safe and returns a blocking iterator."""
+class Engine(ABC):
+    """Everything capture, ops, the HTTP server and the demo use of an engine; nothing else is touched.
 
-    tokenizer: Any  # a transformers tokenizer (chat template included)
+    ``submit`` is thread-safe and returns a blocking iterator. Drafters are opaque handles to
+    callers: they come from ``validate_drafter`` and go back to ``swap_drafter`` (a rollback
+    re-serves the handle ``drafter`` returned before). The contract tests every engine must pass
+    live in tests/unit/engine/test_contract.py.
+    """
+
+    tokenizer: Any  # a transformers tokenizer (chat template included), or None for token-id-only engines
     target_model_id: str
     max_seq_len: int
 
     @property
-    def drafter_version(self) -> str: ...
+    @abstractmethod
+    def drafter_version(self) -> str:
+        """The version serving now ("none" without a drafter)."""
 
+    @property
+    @abstractmethod
+    def drafter(self) -> Any:
+        """The serving drafter's handle (None without one): what a rollback swaps back in."""
+
+    @property
+    @abstractmethod
+    def last_swap_pause_s(self) -> float:
+        """How long the last applied swap paused decoding (0.0 before the first)."""
+
+    @abstractmethod
     def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]: ...
 
+    @abstractmethod
+    def validate_drafter(self, folder: Path, smoke_prompt_ids: list[int]) -> Any:
+        """Load the drafter in ``folder`` off the serving path and check it fits this target: checksum,
+        shapes and aux layers, the serving vocab mapping, and a smoke decode of ``smoke_prompt_ids``
+        equal to target-only output. Returns a handle for ``swap_drafter``; raises DrafterError."""
+
+    @abstractmethod
     def swap_drafter(self, drafter: Any, version: str) -> None:
         """Serve ``drafter`` from the next decode step on. The caller validated it already."""
 
+    @abstractmethod
     def set_capture_sink(self, sink: CaptureSink | None) -> None: ...
 
+    @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    @abstractmethod
+    def health(self) -> dict[str, Any]:
+        """Engine-specific facts for the authenticated health view (JSON-serialisable)."""
+
+    @abstractmethod
     def close(self) -> None: ...

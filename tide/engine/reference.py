@@ -24,14 +24,24 @@ from typing import Iterator
 import torch
 
 from tide import metrics
+from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter
 from tide.drafter.model import Eagle3Drafter, for_serving
-from tide.engine.base import CaptureMeta, CaptureSink, EngineStats, GenerationRequest, StepCapture, TokenEvent
+from tide.drafter.vocab import mapping_digest
+from tide.engine.base import (
+    CaptureMeta,
+    CaptureSink,
+    Engine,
+    EngineStats,
+    GenerationRequest,
+    StepCapture,
+    TokenEvent,
+)
 from tide.models.llama import LlamaTarget
 from tide.models.target import eos_ids_of, load_target  # noqa: F401  (re-exported)
 from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step, target_step
+from tide.spec.generate import generate
 
 log = logging.getLogger(__name__)
-_DONE = object()
 
 
 @dataclass
@@ -47,13 +57,13 @@ class _Running:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-class ReferenceEngine:
+class ReferenceEngine(Engine):
     """Implements tide.engine.base.Engine with LlamaTarget + Eagle3Drafter."""
 
     def __init__(self, target: LlamaTarget, tokenizer, drafter: Eagle3Drafter | None, drafter_version: str,
                  *, target_model_id: str, draft_len: int = 4, draft_stop_prob: float = 0.0,
-                 max_batch_size: int = 8,
-                 max_seq_len: int = 1024, eos_ids: tuple[int, ...] = ()):
+                 max_batch_size: int = 8, max_seq_len: int = 1024, eos_ids: tuple[int, ...] = (),
+                 refeed_positions: int = 32):
         self.target = target
         self.tokenizer = tokenizer
         self.target_model_id = target_model_id
@@ -64,6 +74,8 @@ class ReferenceEngine:
         self.draft_stop_prob = draft_stop_prob
         self.max_batch_size = max_batch_size
         self.eos_ids = tuple(eos_ids)
+        # every swapped-in drafter must keep the mapping the engine started with (t2d/d2t fixed)
+        self._vocab_mapping = mapping_digest(drafter.d2t) if drafter is not None else None
         drafter = for_serving(drafter) if drafter is not None else None
         self._drafter = drafter
         self._version = drafter_version if drafter is not None else "none"
@@ -77,8 +89,8 @@ class ReferenceEngine:
         self._stats = EngineStats()
         self._lock = threading.Lock()  # guards _stats and _pending_swap only (never held in a step)
         self._stop = threading.Event()
-        self.last_swap_pause_s = 0.0
-        self.refeed_positions = 32
+        self._last_swap_pause_s = 0.0
+        self.refeed_positions = refeed_positions
         self._thread = threading.Thread(target=self._loop, name="tide-engine", daemon=True)
         self._thread.start()
         metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
@@ -91,6 +103,24 @@ class ReferenceEngine:
     @property
     def drafter(self) -> Eagle3Drafter | None:
         return self._drafter
+
+    @property
+    def last_swap_pause_s(self) -> float:
+        return self._last_swap_pause_s
+
+    @property
+    def target_spec(self) -> TargetSpec:
+        shape = self.target.shape
+        return TargetSpec(shape.hidden_size, shape.vocab_size, self.target.aux_layer_ids)
+
+    def validate_drafter(self, folder: Path, smoke_prompt_ids: list[int]) -> Eagle3Drafter:
+        drafter = load_drafter(folder, self.target_spec, self._vocab_mapping, require_checksum=True)
+        # runs in the caller's thread on the shared weights (read-only), never inside a decode step
+        want, _ = generate(self.target, None, smoke_prompt_ids, 8)
+        got, _ = generate(self.target, drafter, smoke_prompt_ids, 8, gamma=self.draft_len)
+        if got != want:
+            raise DrafterError(f"{folder}: smoke decode differs from target-only output")
+        return drafter
 
     def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]:
         if self._stop.is_set():
@@ -129,7 +159,7 @@ class ReferenceEngine:
     def health(self) -> dict:
         return {"drafter_version": self._version, "running": len(self._running),
                 "waiting": self._inbox.qsize(), "target_model_id": self.target_model_id,
-                "last_swap_pause_s": self.last_swap_pause_s}
+                "last_swap_pause_s": self._last_swap_pause_s}
 
     def close(self) -> None:
         self._stop.set()
@@ -185,11 +215,11 @@ class ReferenceEngine:
             # after a swap costs about one normal step; it attends from there on (lossless either way)
             r.row.feed_start = r.row.drafter_first_pos = max(0, r.row.t_len - self.refeed_positions)
             r.refeed = True
-        self.last_swap_pause_s = time.perf_counter() - t0
-        metrics.ENGINE_SWAP_PAUSE_SECONDS.observe(self.last_swap_pause_s)
+        self._last_swap_pause_s = time.perf_counter() - t0
+        metrics.ENGINE_SWAP_PAUSE_SECONDS.observe(self._last_swap_pause_s)
         metrics.ENGINE_DRAFTER_INFO.labels(old).set(0)
         metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
-        log.info("drafter swapped %s -> %s in %.1f ms", old, self._version, self.last_swap_pause_s * 1e3)
+        log.info("drafter swapped %s -> %s in %.1f ms", old, self._version, self._last_swap_pause_s * 1e3)
 
     def _admit(self) -> None:
         free = [s for s in range(self.max_batch_size) if s not in self._running]
@@ -352,7 +382,6 @@ class ReferenceEngine:
 
 def build_engine(cfg) -> ReferenceEngine:
     """The reference engine from a TideConfig: target, tokenizer, and the configured drafter."""
-    from tide.drafter.artifact import TargetSpec, load_drafter
     from tide.drafter.static import static_drafter_path
 
     target, tokenizer, folder = load_target(cfg)
@@ -366,4 +395,5 @@ def build_engine(cfg) -> ReferenceEngine:
     return ReferenceEngine(target, tokenizer, drafter, version, target_model_id=cfg.model.model_id,
                            draft_len=cfg.spec.draft_len, draft_stop_prob=cfg.spec.draft_stop_prob,
                            max_batch_size=cfg.engine.max_batch_size,
-                           max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder))
+                           max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder),
+                           refeed_positions=cfg.ops.refeed_positions)

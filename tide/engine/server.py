@@ -21,10 +21,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -121,11 +121,21 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig, ops: Any = None) -> FastAPI:
+@dataclass(frozen=True)
+class ControlPlane:
+    """What a service mounts next to the engine's routes (the engine knows nothing of ops): a router
+    served under the control token, and a health view added to /health as ``ops``."""
+
+    router: APIRouter
+    health: Callable[[], dict[str, Any]]
+
+
+def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig,
+              ops: ControlPlane | None = None) -> FastAPI:
     """The FastAPI app over ``engine``; routes are listed in this module's docstring.
 
-    ``ops`` (a tide.ops.follower.DrafterFollower) adds the drafter control API under /control
-    (tide/ops/control_api.py, behind the control token) and its state to /health.
+    ``ops`` (tide.ops.control_api.control_plane) adds the drafter control API under /control,
+    behind the control token, and its state to /health.
     """
     app = FastAPI(title="TIDE engine", version="0.1.0")
     app.state.control_token = cfg.control_token
@@ -323,9 +333,7 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig, ops: 
                     "inflight_requests": admission.count, "max_inflight_requests": admission.limit,
                     "requests_finished": st.requests_finished, "requests_failed": st.requests_failed,
                     "tokens_generated": st.tokens_generated, "uptime_s": round(time.time() - started_at, 1)}
-            details = getattr(engine, "health", None)  # optional engine-specific facts
-            if callable(details):
-                body["engine"] = details()
+            body["engine"] = engine.health()
             if ops is not None:
                 body["ops"] = ops.health()
         except Exception as exc:  # noqa: BLE001 - health must answer, not crash
@@ -341,8 +349,7 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig, ops: 
         return {"ok": True, "drafter_version": engine.drafter_version}
 
     if ops is not None:
-        from tide.ops.control_api import control_router
-        app.include_router(control_router(ops), dependencies=[Depends(require_control_token)])
+        app.include_router(ops.router, dependencies=[Depends(require_control_token)])
 
     return app
 

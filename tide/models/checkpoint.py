@@ -8,7 +8,7 @@ with the chat template, generation_config.json) and every later call is a cache 
 Conversion steps (``convert_gguf_checkpoint``), each a tick of one progress bar:
 1. load the GGUF tokenizer and the GGUF model (transformers dequantizes to fp32);
 2. copy the state dict into a fresh ``LlamaForCausalLM(config)``; ``save_pretrained`` on the
-   GGUF-loaded model itself failed (see NOTES.md), a plain model saves cleanly;
+   GGUF-loaded model itself fails (it carries the GGUF quantisation state), a plain model saves cleanly;
 3. save weights (safetensors; a tied ``lm_head`` is stored once, as ``embed_tokens``), config,
    generation config and tokenizer into a temporary folder beside the destination;
 4. reload the temporary folder and compare its logits with the GGUF-loaded model's on a chat

@@ -115,9 +115,9 @@ def _show(args, registry, engine) -> int:
 
 def _validate(registry, version: int) -> None:
     """Checksum, format and fit against the current champion (shapes, aux layers, vocab mapping)."""
+    from tide.contracts import CHAMPION
     from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter
     from tide.drafter.vocab import mapping_digest
-    from tide.registry import CHAMPION
 
     folder = registry.download(version)
     champion = registry.get_alias(CHAMPION)

@@ -1,7 +1,7 @@
 """The engine's drafter control API: check, list, promote, roll back, operation history.
 
-Mounted by ``tide.engine.server.build_app`` under ``/control`` when the engine runs a
-DrafterFollower; every route sits behind the server's bearer-token dependency (401 without the
+Mounted by ``tide.engine.server.build_app`` under ``/control`` (``control_plane``) when the engine
+runs a DrafterFollower; every route sits behind the server's bearer-token dependency (401 without the
 configured ``server.control_token``). Routes are sync functions: FastAPI runs them in its thread
 pool, so registry calls and smoke decodes never block the event loop that streams tokens.
 
@@ -18,6 +18,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from tide import metrics
+from tide.engine.server import ControlPlane
 from tide.ops.follower import DrafterFollower, OpsError
 
 
@@ -38,6 +39,11 @@ class RollbackBody(_Body):
 
 def _actor(body: _Body | None) -> str:
     return f"api:{body.actor}" if body is not None and body.actor else "api"
+
+
+def control_plane(ops: DrafterFollower) -> ControlPlane:
+    """What the engine service hands ``build_app``: these routes and the follower's health view."""
+    return ControlPlane(control_router(ops), ops.health)
 
 
 def control_router(ops: DrafterFollower) -> APIRouter:

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Callable
 
 from tide import metrics
-from tide.drafter.artifact import DrafterError, TargetSpec
-from tide.drafter.vocab import mapping_digest
+from tide.contracts import CHAMPION, PREVIOUS_CHAMPION
+from tide.drafter.artifact import DrafterError
+from tide.engine.base import Engine
 from tide.ops.guard import CollapseGuard
 from tide.ops.inventory import live_acceptance_from_stats, version_record
 from tide.ops.swap import SwapOutcome, SwapWatcher
-from tide.registry import CHAMPION, PREVIOUS_CHAMPION, ChecksumError, Registry, RegistryError
+from tide.registry import ChecksumError, Registry, RegistryError
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +51,18 @@ class OpsError(RuntimeError):
 
 
 class DrafterFollower:
-    def __init__(self, engine, cfg, connect: Callable[[], Registry], bootstrap_path: Path | None = None,
-                 smoke_prompt_ids: list[int] | None = None, draft_len: int = 4) -> None:
+    def __init__(self, engine: Engine, cfg, connect: Callable[[], Registry], bootstrap_path: Path | None = None,
+                 smoke_prompt_ids: list[int] | None = None) -> None:
         """``cfg`` is the OpsConfig; ``connect`` builds a Registry (raises while unreachable)."""
         self.engine = engine
         self.cfg = cfg
         self.registry: Registry | None = None
         self._connect = connect
         self._bootstrap_path = bootstrap_path
-        shape = engine.target.shape
-        drafter = engine.drafter
-        self.watcher = SwapWatcher(
-            engine, self._resolve, TargetSpec(shape.hidden_size, shape.vocab_size, engine.target.aux_layer_ids),
-            mapping_digest(drafter.d2t) if drafter is not None else None,
-            smoke_prompt_ids or DEFAULT_SMOKE_IDS, draft_len, cfg.poll_interval_s)
+        self.watcher = SwapWatcher(engine, self._resolve, smoke_prompt_ids or DEFAULT_SMOKE_IDS,
+                                   cfg.poll_interval_s)
         self.guard = CollapseGuard(engine, self._guard_rollback, cfg.guard_floor, cfg.guard_min_ratio,
                                    cfg.guard_window_forwards) if cfg.guard_enabled else None
-        if hasattr(engine, "refeed_positions"):
-            engine.refeed_positions = cfg.refeed_positions
         self.last_check: SwapOutcome | None = None
         self.last_error: str | None = None
         self.connected = False  # the last registry call of the follower succeeded
@@ -86,9 +81,9 @@ class DrafterFollower:
             path = static_drafter_path(cfg) if cfg.drafter.path == "static" else Path(cfg.drafter.path)
         except DrafterError:
             path = None
-        tok = getattr(engine, "tokenizer", None)
+        tok = engine.tokenizer
         ids = list(tok.encode(cfg.ops.smoke_prompt)) if tok is not None else None
-        return cls(engine, cfg.ops, lambda: Registry.from_config(cfg), path, ids, cfg.spec.draft_len)
+        return cls(engine, cfg.ops, lambda: Registry.from_config(cfg), path, ids)
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self, block: bool = True) -> None:
@@ -255,7 +250,7 @@ class DrafterFollower:
         self.last_check = outcome
         return {"op": op, "actor": actor, "from": old, "to": new, "serving": self.engine.drafter_version,
                 "outcome": dataclasses.asdict(outcome),
-                "engine_swap_pause_s": getattr(self.engine, "last_swap_pause_s", None)}
+                "engine_swap_pause_s": self.engine.last_swap_pause_s}
 
     def _guard_rollback(self, reason: str) -> None:
         """The collapse guard's rollback (steps in the module docstring, step 3)."""

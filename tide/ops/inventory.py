@@ -12,9 +12,9 @@ from typing import Mapping
 
 import httpx
 
+from tide.contracts import TAG_PARENT_SIM_ACCEPT, TAG_ROLLED_BACK, TAG_WINDOW_END, TAG_WINDOW_START
 from tide.metrics import ENGINE_ACCEPT_LENGTH
-from tide.ops.promotion import TAG_ROLLED_BACK
-from tide.registry import TAG_PARENT_SIM_ACCEPT, TAG_WINDOW_END, TAG_WINDOW_START, VersionInfo
+from tide.registry import VersionInfo
 
 ACCEPT_METRIC = ENGINE_ACCEPT_LENGTH.describe()[0].name  # histogram of tokens per forward, by version
 

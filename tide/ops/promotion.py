@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-from tide.registry import CHALLENGER, CHAMPION, TAG_PARENT, TAG_PARENT_SIM_ACCEPT, Registry, VersionInfo
+from tide.contracts import CHALLENGER, CHAMPION, TAG_PARENT, TAG_PARENT_SIM_ACCEPT, TAG_ROLLED_BACK
+from tide.registry import Registry, VersionInfo
 
 log = logging.getLogger(__name__)
 
 ACTOR = "auto-promotion"
-TAG_ROLLED_BACK = "tide.rolled_back"  # set on a version by Registry.rollback
 
 
 @dataclass(frozen=True)

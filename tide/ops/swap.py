@@ -3,14 +3,15 @@
 ``check_now`` (called every ``poll_interval_s`` and by the authenticated control endpoint):
 1. resolve the champion: (version, local folder) from the registry; nothing to do if the engine
    already serves it, or if this exact version was refused before;
-2. validate: checksum, config, shapes and aux layers against the target, the vocab mapping
-   against the serving one (``load_drafter``);
-3. smoke decode a short prompt with the candidate; its greedy output must equal target-only
-   output (a drafter that raises, or breaks losslessness, never reaches traffic);
+2. ``engine.validate_drafter``: checksum, config, shapes and aux layers against the target, the
+   vocab mapping against the serving one, and a smoke decode of a short prompt whose greedy
+   output must equal target-only output (a drafter that raises, or breaks losslessness, never
+   reaches traffic);
 4. ``engine.swap_drafter``: applied atomically between decode steps; the previous drafter object
    is kept so a rollback is immediate.
 Any failure refuses the version, leaves the old drafter serving, and is logged and counted.
-The registry is reached only through the ``resolve`` callable, so this module has no MLflow code.
+The registry is reached only through the ``resolve`` callable, so this module has no MLflow code,
+and the engine only through its contract (tide/engine/base.py), so it works for any engine.
 """
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from tide import metrics
-from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter, read_metadata
-from tide.drafter.model import Eagle3Drafter
-from tide.spec.generate import generate
+from tide.drafter.artifact import DrafterError
+from tide.engine.base import Engine
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +40,14 @@ class SwapOutcome:
 
 
 class SwapWatcher:
-    def __init__(self, engine, resolve: Resolver, target_spec: TargetSpec, expect_vocab_mapping: str | None,
-                 smoke_prompt_ids: list[int], draft_len: int, poll_interval_s: float = 10.0):
+    def __init__(self, engine: Engine, resolve: Resolver, smoke_prompt_ids: list[int],
+                 poll_interval_s: float = 10.0):
         self.engine = engine
         self.resolve = resolve
-        self.target_spec = target_spec
-        self.expect_vocab_mapping = expect_vocab_mapping
         self.smoke_prompt_ids = list(smoke_prompt_ids)
-        self.draft_len = draft_len
         self.poll_interval_s = poll_interval_s
         self.refused: dict[str, str] = {}  # version -> reason (not retried)
-        self.previous: tuple[str, Eagle3Drafter | None] | None = None
+        self.previous: tuple[str, Any] | None = None  # (version, drafter handle) served before the last swap
         self._lock = threading.Lock()  # one check at a time (poll loop vs control endpoint)
 
     def check_now(self) -> SwapOutcome:
@@ -80,16 +77,10 @@ class SwapWatcher:
             return SwapOutcome("refused", version, str(exc))
         return self.swap_to(version, drafter)
 
-    def validate(self, folder: Path) -> Eagle3Drafter:
-        drafter = load_drafter(folder, self.target_spec, self.expect_vocab_mapping, require_checksum=True)
-        target = self.engine.target
-        want, _ = generate(target, None, self.smoke_prompt_ids, 8)
-        got, _ = generate(target, drafter, self.smoke_prompt_ids, 8, gamma=self.draft_len)
-        if got != want:
-            raise DrafterError(f"{folder}: smoke decode differs from target-only output")
-        return drafter
+    def validate(self, folder: Path) -> Any:
+        return self.engine.validate_drafter(folder, self.smoke_prompt_ids)
 
-    def swap_to(self, version: str, drafter: Eagle3Drafter | None) -> SwapOutcome:
+    def swap_to(self, version: str, drafter: Any) -> SwapOutcome:
         old_version, old = self.engine.drafter_version, self.engine.drafter
         t0 = time.perf_counter()
         self.engine.swap_drafter(drafter, version)
@@ -108,6 +99,3 @@ class SwapWatcher:
         while not stop.wait(self.poll_interval_s):
             self.check_now()
 
-
-def version_of(folder: Path) -> str:
-    return str(read_metadata(folder).get("version", folder.name))

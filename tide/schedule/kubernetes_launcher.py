@@ -21,6 +21,7 @@ import json
 import logging
 from typing import Any, Mapping
 
+from tide.contracts import JOB_FAILED, JOB_SUCCEEDED, JOB_TIMED_OUT
 from tide.schedule.launcher import ENV_JOB_ID, JobSpec, Outcome
 
 log = logging.getLogger(__name__)
@@ -128,11 +129,11 @@ def interpret_job_status(job: Any) -> Outcome | None:
         if cond.status != "True":
             continue
         if cond.type == "Complete":
-            return Outcome("succeeded", "Job Complete")
+            return Outcome(JOB_SUCCEEDED, "Job Complete")
         if cond.type == "Failed":
             reason = cond.reason or "Failed"
             detail = f"Job Failed: {reason}" + (f" ({cond.message})" if cond.message else "")
-            return Outcome("timed_out" if reason == "DeadlineExceeded" else "failed", detail)
+            return Outcome(JOB_TIMED_OUT if reason == "DeadlineExceeded" else JOB_FAILED, detail)
     return None
 
 
@@ -218,7 +219,7 @@ class KubernetesLauncher:
     def poll(self, handle: Mapping[str, Any]) -> Outcome | None:
         job = self._read(handle)
         if job is None:
-            return Outcome("failed", "Job disappeared before it was seen finishing")
+            return Outcome(JOB_FAILED, "Job disappeared before it was seen finishing")
         outcome = interpret_job_status(job)
         if outcome is None:
             return None

@@ -2,7 +2,7 @@
 
 The retrain command (``tide train --online ... --result-json PATH``) exits 0 when it registered a
 version or found nothing to do, non-zero on failure, and writes a JSON object with ``status``
-("registered" | "nothing_to_do" | "failed"), ``version``, ``run_id`` and ``metrics``. A job counts as
+(tide.contracts RETRAIN_*), ``version``, ``run_id`` and ``metrics``. A job counts as
 succeeded only when both agree: exit code 0 (where the launcher can know it) and a success status.
 A launcher's handle is a JSON-serialisable dict, so the scheduler can persist it in its state file
 and a restarted scheduler can poll or kill a job it did not start.
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
-SUCCESS_STATUSES = ("registered", "nothing_to_do")
+from tide.contracts import JOB_FAILED, JOB_SUCCEEDED, RETRAIN_SUCCESS_STATUSES
+
 # environment markers a launched job carries: they let a restarted scheduler find its own jobs
 ENV_JOB_ID = "TIDE_RETRAIN_JOB_ID"
 ENV_STATE_PATH = "TIDE_RETRAIN_STATE_PATH"
@@ -31,7 +32,7 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a job ended. ``status``: succeeded | failed | timed_out | cancelled."""
+    """How a job ended. ``status``: one of tide.contracts.JOB_OUTCOMES."""
 
     status: str
     reason: str
@@ -40,7 +41,7 @@ class Outcome:
 
     @property
     def succeeded(self) -> bool:
-        return self.status == "succeeded"
+        return self.status == JOB_SUCCEEDED
 
 
 class Launcher(Protocol):
@@ -84,24 +85,9 @@ def outcome_from_exit(exit_code: int | None, result_path: str | Path | None) -> 
     code_text = "exit code unknown" if exit_code is None else f"exit {exit_code}"
     if exit_code not in (None, 0):
         detail = f", result status {status!r}" if status else f", {problem}"
-        return Outcome("failed", code_text + detail, exit_code, result)
+        return Outcome(JOB_FAILED, code_text + detail, exit_code, result)
     if problem:
-        return Outcome("failed", f"{code_text}, {problem}", exit_code, result)
-    if status not in SUCCESS_STATUSES:
-        return Outcome("failed", f"{code_text}, result status {status!r}", exit_code, result)
-    return Outcome("succeeded", f"{code_text}, {status}", exit_code, result)
-
-
-def build_launcher(cfg: Any, config_path: str | None, state_path: Path) -> Launcher:
-    """The launcher named by ``cfg.schedule.launcher`` (cfg is the whole TideConfig)."""
-    kind = cfg.schedule.launcher
-    if kind == "local":
-        from tide.schedule.local_launcher import LocalLauncher
-
-        return LocalLauncher(cfg.schedule.command, config_path, state_path,
-                             kill_grace_s=cfg.schedule.kill_grace_s)
-    if kind == "kubernetes":
-        from tide.schedule.kubernetes_launcher import KubernetesLauncher, job_env
-
-        return KubernetesLauncher(cfg.schedule, job_env(cfg))
-    raise ValueError(f"schedule.launcher: unknown launcher {kind!r}; known: local, kubernetes")
+        return Outcome(JOB_FAILED, f"{code_text}, {problem}", exit_code, result)
+    if status not in RETRAIN_SUCCESS_STATUSES:
+        return Outcome(JOB_FAILED, f"{code_text}, result status {status!r}", exit_code, result)
+    return Outcome(JOB_SUCCEEDED, f"{code_text}, {status}", exit_code, result)

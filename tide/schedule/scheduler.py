@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tide import metrics
+from tide.contracts import JOB_CANCELLED, JOB_FAILED, JOB_SUCCEEDED, JOB_TIMED_OUT
+from tide.schedule.kubernetes_launcher import KubernetesLauncher, job_env
 from tide.schedule.launcher import JobSpec, Launcher, Outcome
+from tide.schedule.local_launcher import LocalLauncher
 from tide.schedule.policy import Decision, check_config, count_new_samples, decide, newest_created_s, watermark_of
 from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateStore
 
@@ -53,7 +56,7 @@ class RetrainScheduler:
         self._last_success_s: float | None = None
         metrics.SCHED_THRESHOLD.set(cfg.min_new_samples)
         metrics.SCHED_RETRAINS_LAUNCHED.labels(launcher.kind)  # exported as 0 before any launch
-        for outcome in ("succeeded", "failed", "timed_out"):
+        for outcome in (JOB_SUCCEEDED, JOB_FAILED, JOB_TIMED_OUT):
             metrics.SCHED_RETRAINS_FINISHED.labels(outcome)
         metrics.SCHED_SECONDS_SINCE_SUCCESS.set_function(
             lambda: time.time() - (self._last_success_s or self._started_s))
@@ -98,7 +101,7 @@ class RetrainScheduler:
         if job.handle is None:
             job.handle = self.launcher.find(job.job_id)
             if job.handle is None:
-                self._finish(state, Outcome("failed", "launch interrupted; no job found"), now)
+                self._finish(state, Outcome(JOB_FAILED, "launch interrupted; no job found"), now)
                 return
             log.warning("retrain %s: found the job of an interrupted launch", job.job_id)
         try:
@@ -109,7 +112,7 @@ class RetrainScheduler:
         if outcome is None and now >= job.deadline_s:
             log.error("retrain %s: still running at its deadline; killing it", job.job_id)
             self.launcher.kill(job.handle)
-            outcome = Outcome("timed_out", f"ran longer than job_timeout_s="
+            outcome = Outcome(JOB_TIMED_OUT, f"ran longer than job_timeout_s="
                                            f"{self.cfg.job_timeout_s:g}; killed")
         if outcome is not None:
             self._finish(state, outcome, now)
@@ -125,7 +128,7 @@ class RetrainScheduler:
             run_id=None if result.get("run_id") is None else str(result["run_id"]))
         state.running = None
         state.history = [*state.history, record][-max(1, self.cfg.history_max_jobs):]
-        if outcome.status == "cancelled":  # stopped on purpose: no backoff for the next one
+        if outcome.status == JOB_CANCELLED:  # stopped on purpose: no backoff for the next one
             log.warning("retrain %s cancelled (%s)", job.job_id, outcome.reason)
         elif outcome.succeeded:
             state.last_success = record
@@ -155,7 +158,7 @@ class RetrainScheduler:
             state.running.handle = self.launcher.launch(spec)
         except Exception as exc:  # noqa: BLE001 - recorded as a failure; backoff applies
             log.exception("retrain %s: launch failed", job_id)
-            self._finish(state, Outcome("failed", f"launch failed: {type(exc).__name__}: {exc}"),
+            self._finish(state, Outcome(JOB_FAILED, f"launch failed: {type(exc).__name__}: {exc}"),
                          now)
             return
         metrics.SCHED_RETRAINS_LAUNCHED.labels(self.launcher.kind).inc()
@@ -236,10 +239,21 @@ class RetrainScheduler:
             except Exception:  # noqa: BLE001 - stopping must finish; the next scheduler adopts it
                 log.exception("retrain %s: cannot cancel it; left recorded as running", job.job_id)
                 return
-            self._finish(state, Outcome("cancelled", "scheduler stopped with cancel_on_stop"), self.clock())
+            self._finish(state, Outcome(JOB_CANCELLED, "scheduler stopped with cancel_on_stop"), self.clock())
 
 
 def default_state_path(cfg: Any) -> Path:
     """``schedule.state_path`` or ``<home>/scheduler/state.json`` (cfg is the whole TideConfig)."""
     return Path(cfg.schedule.state_path) if cfg.schedule.state_path else (
         cfg.home_path / "scheduler" / "state.json")
+
+
+def build_launcher(cfg: Any, config_path: str | None, state_path: Path) -> Launcher:
+    """The launcher named by ``cfg.schedule.launcher`` (cfg is the whole TideConfig)."""
+    kind = cfg.schedule.launcher
+    if kind == "local":
+        return LocalLauncher(cfg.schedule.command, config_path, state_path,
+                             kill_grace_s=cfg.schedule.kill_grace_s)
+    if kind == "kubernetes":
+        return KubernetesLauncher(cfg.schedule, job_env(cfg))
+    raise ValueError(f"schedule.launcher: unknown launcher {kind!r}; known: local, kubernetes")

@@ -20,17 +20,8 @@ import torch
 from tide.dataset.index import DatasetIndex
 from tide.dataset.schema import Row, partition_dir
 from tide.dataset.writer import FileStats, OpenFile
-from tide.records import Record, decode, encode, split
+from tide.records import Record, decode, encode, hidden_bytes, split
 from tide.train.trainer import Sample
-
-_STORAGE = {"bfloat16": (torch.bfloat16, torch.int16), "float8_e4m3fn": (torch.float8_e4m3fn, torch.uint8)}
-
-
-def hidden_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
-    """Row-major raw bytes in the storage dtype (the capture producer's encoding; training must
-    not import the capture side, so the two lines are repeated here)."""
-    cast, bits = _STORAGE[dtype]
-    return tensor.detach().to(cast).contiguous().view(bits).numpy().tobytes()
 
 
 def sample_record(sample: Sample, request_id: str, prompt_len: int, finished_at_s: float,

@@ -48,11 +48,6 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat((x[:, n:], pad), dim=1)
 
 
-def teacher_logits(final: torch.Tensor, lm_head_weight: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """Target logits restricted to the draft vocab: [B, T, Vd]."""
-    return F.linear(final.float(), lm_head_weight[draft_ids].float())
-
-
 def target_top_tokens(final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
     """[T] int64: the target's argmax token at each position (one full-vocab projection, chunked)."""
     out = []

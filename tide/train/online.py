@@ -34,27 +34,35 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save_drafter
-from tide.drafter.static import static_drafter_path
-from tide.drafter.vocab import mapping_digest
-from tide.registry import (
+from tide.contracts import (
     CHALLENGER,
     CHAMPION,
+    RETRAIN_FAILED,
+    RETRAIN_NOTHING_TO_DO,
+    RETRAIN_REGISTERED,
     TAG_CODE,
+    TAG_HELDOUT_POSITIONS,
+    TAG_HELDOUT_REQUESTS,
     TAG_KIND,
     TAG_PARENT,
     TAG_PARENT_SIM_ACCEPT,
+    TAG_RECENT_REQUESTS,
+    TAG_REGISTERED_VERSION,
+    TAG_REPLAY_REQUESTS,
+    TAG_RUN_ID,
     TAG_SIM_ACCEPT,
+    TAG_TRAIN_TOKENS,
     TAG_WINDOW_END,
     TAG_WINDOW_START,
-    Registry,
-    code_version,
 )
-from tide.train.window import WindowPlan, WindowSpec, load_window, plan_window
+from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save_drafter
+from tide.drafter.static import static_drafter_path
+from tide.drafter.vocab import mapping_digest
+from tide.registry import Registry, code_version
+from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, plan_window
 
 log = logging.getLogger(__name__)
 
-REGISTERED, NOTHING_TO_DO, FAILED = "registered", "nothing_to_do", "failed"
 
 
 class RetrainInterrupted(BaseException):
@@ -121,107 +129,57 @@ def _eval_metrics(prefix: str, ev) -> dict[str, float]:
     return out
 
 
+@dataclass
+class _Inputs:
+    """What a retrain reads before it trains: the window, its parent drafter and the target."""
+
+    plan: WindowPlan
+    parent: str  # lineage label of the warm start ("static" or a version)
+    parent_recorded: float | None  # the parent's registered sim accept length
+    target: object  # LlamaTarget: embeddings and lm_head are the drafter's frozen inputs
+    champion: object  # Eagle3Drafter, the parent
+    candidate: object  # a copy of the parent, trained in place; its vocab mapping stays fixed
+    vocab: str
+    data: WindowData
+    loaded_at: float
+
+
+@dataclass
+class _Trained:
+    before: object  # evaluation of the parent on the held-out slice
+    after: object  # evaluation of the candidate on the same slice
+    loss_curve: list
+    metrics: dict
+
+
 def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = None,
                 progress: bool = False) -> RetrainResult:
-    """One retrain (steps in the module docstring)."""
-    import torch
-
-    from tide.models.target import load_target  # target loading only; no engine is built
-    from tide.train.trainer import evaluate, train
-
+    """One retrain: plan, load, train and evaluate, register (steps in the module docstring)."""
     t_start = time.monotonic()
-    tc = cfg.train
     registry = registry or Registry.from_config(cfg)
     registry.reap_incomplete()
     _reap_work_dirs(_work_root(cfg))
     plan = plan_for(cfg, until_s)
     summary = plan.summary()
-    if len(plan.recent) < tc.min_samples or len(plan.heldout) < tc.min_heldout_samples:
-        reason = (f"{len(plan.recent)} recent training requests (need {tc.min_samples}), "
-                  f"{len(plan.heldout)} held-out (need {tc.min_heldout_samples})")
-        log.info("retrain: nothing to do: %s", reason)
-        return RetrainResult(NOTHING_TO_DO, metrics=summary, reason=reason)
-
-    parent, parent_folder, parent_recorded = _resolve_parent(cfg, registry)
-    target, _, _ = load_target(cfg)
-    spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
-    champion = load_drafter(parent_folder, spec)
-    candidate = copy.deepcopy(champion)
-    vocab = mapping_digest(champion.d2t)
-    data = load_window(data_dir_of(cfg), plan, tc.train_on_prompt, tc.max_seq_len)
-    t_loaded = time.monotonic()
-    log.info("retrain: parent %s, %d train samples (%d tokens), %d held-out (%d tokens)",
-             parent, len(data.train), data.train_tokens, len(data.heldout), data.heldout_tokens)
-    if len(data.train) < tc.min_samples or len(data.heldout) < tc.min_heldout_samples:
-        return RetrainResult(NOTHING_TO_DO, metrics=summary,
-                             reason=f"only {len(data.train)}/{len(data.heldout)} planned samples readable")
+    short = _too_few(cfg.train, len(plan.recent), len(plan.heldout), "planned")
+    if short:
+        log.info("retrain: nothing to do: %s", short)
+        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short)
+    inputs = _load_inputs(cfg, registry, plan)
+    short = _too_few(cfg.train, len(inputs.data.train), len(inputs.data.heldout), "readable")
+    if short:
+        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short)
 
     code = code_version()
-    run = registry.start_run(f"retrain-from-{parent}", {TAG_KIND: "retrain", TAG_PARENT: parent})
+    run = registry.start_run(f"retrain-from-{inputs.parent}", {TAG_KIND: "retrain", TAG_PARENT: inputs.parent})
     work = Path(tempfile.mkdtemp(prefix=f"work-{os.getpid()}-", dir=_mkdir(_work_root(cfg))))
     try:
-        gamma = cfg.spec.draft_len
-        run.log_params({
-            **summary, "parent_version": parent, "code_version": code, "target_model": cfg.model.model_id,
-            "data_dir": str(data_dir_of(cfg)), "vocab_mapping": vocab, "gamma": gamma,
-            "train_samples": len(data.train), "train_tokens": data.train_tokens,
-            "heldout_samples": len(data.heldout), "missing_samples": data.missing,
-            **{f"train.{k}": v for k, v in asdict(tc).items()},
-        })
-        embed, head = target.embed_weight, target.lm_head_weight
-        eval_kw = dict(gamma=gamma, ttt_length=tc.ttt_length, step_weight=tc.step_weight_decay,
-                       max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens)
-        t_eval = time.monotonic()
-        before = evaluate(champion, embed, head, data.heldout, **eval_kw)
-        eval_s = time.monotonic() - t_eval
-        log.info("retrain: training (parent sim accept length %.3f; peak RSS %.2f GiB)",
-                 before.accept_length, _peak_rss_gib())
-        trained = train(candidate, embed, head, data.train, epochs=tc.epochs, lr=tc.lr,
-                        batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len, ttt_length=tc.ttt_length,
-                        step_weight=tc.step_weight_decay, seed=tc.seed, progress=progress,
-                        max_wall_s=tc.max_train_s, feature_weight=tc.feature_weight,
-                        ce_weight=tc.ce_weight, train_head=tc.train_head)
-        # stored and served in bf16, as the static drafter (half the bytes to stream per draft
-        # token); rounded before evaluation so the registered metrics describe those weights
-        round_weights_(candidate, torch.bfloat16)
-        t_eval = time.monotonic()
-        after = evaluate(candidate, embed, head, data.heldout, **eval_kw)
-        eval_s += time.monotonic() - t_eval
-        if mapping_digest(candidate.d2t) != vocab:
-            raise RuntimeError("the vocab mapping changed during training")
-        metrics = {**_eval_metrics("candidate", after), **_eval_metrics("champion", before),
-                   "accept_length_gain": after.accept_length - before.accept_length,
-                   "heldout_positions": after.positions, "train_steps": trained.steps,
-                   "train_wall_s": trained.wall_s, "train_tokens_seen": trained.tokens_seen,
-                   "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),
-                   "final_train_loss": trained.loss_curve[-1] if trained.loss_curve else float("nan"),
-                   "load_s": t_loaded - t_start, "eval_s": eval_s, "peak_rss_gib": _peak_rss_gib()}
-        run.log_series("train_loss", trained.loss_curve)
-        run.log_series("train_step0_acc", trained.step0_acc_curve)
-        log.info("retrain: sim accept length %.3f -> %.3f on %d held-out positions",
-                 before.accept_length, after.accept_length, after.positions)
-        lineage = {TAG_KIND: "retrain", TAG_PARENT: parent, TAG_CODE: code,
-                   TAG_WINDOW_START: plan.window_start_s, TAG_WINDOW_END: plan.window_end_s,
-                   "tide.recent_requests": len(plan.recent), "tide.replay_requests": len(plan.replay),
-                   "tide.heldout_requests": len(data.heldout), "tide.train_tokens": data.train_tokens,
-                   TAG_SIM_ACCEPT: round(after.accept_length, 4),
-                   TAG_PARENT_SIM_ACCEPT: round(before.accept_length, 4),
-                   "tide.heldout_positions": after.positions, "tide.run_id": run.run_id}
-        folder = save_drafter(candidate, work / "drafter", metadata={
-            "version": f"run-{run.run_id}", "parent_version": parent, "run_id": run.run_id,
-            "data_window": [plan.window_start_s, plan.window_end_s], "target": cfg.model.model_id,
-            "heldout_sim_accept_length": round(after.accept_length, 4),
-            "parent_heldout_sim_accept_length": round(before.accept_length, 4),
-            "parent_recorded_sim_accept_length": parent_recorded, "code_version": code}, dtype=torch.bfloat16)
-        run.log_json("retrain.json", {"plan": summary, "metrics": metrics, "loss_curve": trained.loss_curve,
-                                      "request_ids": {"recent": plan.recent, "replay": plan.replay,
-                                                      "heldout": plan.heldout}})
-        artifact = run.log_drafter(folder)
-        metrics["total_s"] = time.monotonic() - t_start
-        run.log_metrics(metrics)
-        info = registry.register(artifact, lineage, alias=CHALLENGER,
-                                 description=f"retrain of {parent} on {len(data.train)} requests")
-        run.set_tags({"tide.registered_version": info.version})
+        _log_params(run, cfg, inputs, summary, code)
+        trained = _train_and_evaluate(cfg, inputs, run, progress)
+        trained.metrics["load_s"] = inputs.loaded_at - t_start
+        info = _register(cfg, registry, run, inputs, trained, code, work)
+        trained.metrics["total_s"] = time.monotonic() - t_start
+        run.log_metrics({"total_s": trained.metrics["total_s"]})
         run.finish("FINISHED")
     except BaseException as exc:
         _finish_quietly(run, "KILLED" if isinstance(exc, (RetrainInterrupted, KeyboardInterrupt)) else "FAILED")
@@ -229,14 +187,124 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("retrain: registered %s version %d as %s", registry.model_name, info.version, CHALLENGER)
-    try:  # ops.auto_promote: the registered version stands either way; a failed promotion is logged
+    return RetrainResult(RETRAIN_REGISTERED, version=info.version, run_id=run.run_id,
+                         metrics={**summary, **trained.metrics, "auto_promotion": _auto_promote(registry, cfg)})
+
+
+def _too_few(tc, train: int, heldout: int, what: str) -> str:
+    """Why there is nothing to do ('' when there is enough)."""
+    if train >= tc.min_samples and heldout >= tc.min_heldout_samples:
+        return ""
+    return (f"{train} {what} training requests (need {tc.min_samples}), "
+            f"{heldout} held-out (need {tc.min_heldout_samples})")
+
+
+def _load_inputs(cfg, registry: Registry, plan: WindowPlan) -> _Inputs:
+    """Steps 3-5: the parent (warm start), the target, and the planned samples."""
+    from tide.models.target import load_target  # target loading only; no engine is built
+
+    parent, parent_folder, parent_recorded = _resolve_parent(cfg, registry)
+    target, _, _ = load_target(cfg)
+    spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
+    champion = load_drafter(parent_folder, spec)
+    data = load_window(data_dir_of(cfg), plan, cfg.train.train_on_prompt, cfg.train.max_seq_len)
+    log.info("retrain: parent %s, %d train samples (%d tokens), %d held-out (%d tokens)",
+             parent, len(data.train), data.train_tokens, len(data.heldout), data.heldout_tokens)
+    return _Inputs(plan, parent, parent_recorded, target, champion, copy.deepcopy(champion),
+                   mapping_digest(champion.d2t), data, time.monotonic())
+
+
+def _log_params(run, cfg, inputs: _Inputs, summary: dict, code: str) -> None:
+    data = inputs.data
+    run.log_params({
+        **summary, "parent_version": inputs.parent, "code_version": code, "target_model": cfg.model.model_id,
+        "data_dir": str(data_dir_of(cfg)), "vocab_mapping": inputs.vocab, "gamma": cfg.spec.draft_len,
+        "train_samples": len(data.train), "train_tokens": data.train_tokens,
+        "heldout_samples": len(data.heldout), "missing_samples": data.missing,
+        **{f"train.{k}": v for k, v in asdict(cfg.train).items()},
+    })
+
+
+def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool) -> _Trained:
+    """Step 6: evaluate the parent, train the candidate, evaluate it on the same held-out slice."""
+    import torch
+
+    from tide.train.trainer import evaluate, train
+
+    tc, data = cfg.train, inputs.data
+    embed, head = inputs.target.embed_weight, inputs.target.lm_head_weight
+    eval_kw = dict(gamma=cfg.spec.draft_len, ttt_length=tc.ttt_length, step_weight=tc.step_weight_decay,
+                   max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens)
+    t_eval = time.monotonic()
+    before = evaluate(inputs.champion, embed, head, data.heldout, **eval_kw)
+    eval_s = time.monotonic() - t_eval
+    log.info("retrain: training (parent sim accept length %.3f; peak RSS %.2f GiB)",
+             before.accept_length, _peak_rss_gib())
+    trained = train(inputs.candidate, embed, head, data.train, epochs=tc.epochs, lr=tc.lr,
+                    batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len, ttt_length=tc.ttt_length,
+                    step_weight=tc.step_weight_decay, seed=tc.seed, progress=progress,
+                    max_wall_s=tc.max_train_s, feature_weight=tc.feature_weight,
+                    ce_weight=tc.ce_weight, train_head=tc.train_head)
+    # stored and served in bf16, as the static drafter (half the bytes to stream per draft
+    # token); rounded before evaluation so the registered metrics describe those weights
+    round_weights_(inputs.candidate, torch.bfloat16)
+    t_eval = time.monotonic()
+    after = evaluate(inputs.candidate, embed, head, data.heldout, **eval_kw)
+    eval_s += time.monotonic() - t_eval
+    if mapping_digest(inputs.candidate.d2t) != inputs.vocab:
+        raise RuntimeError("the vocab mapping changed during training")
+    metrics = {**_eval_metrics("candidate", after), **_eval_metrics("champion", before),
+               "accept_length_gain": after.accept_length - before.accept_length,
+               "heldout_positions": after.positions, "train_steps": trained.steps,
+               "train_wall_s": trained.wall_s, "train_tokens_seen": trained.tokens_seen,
+               "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),
+               "final_train_loss": trained.loss_curve[-1] if trained.loss_curve else float("nan"),
+               "eval_s": eval_s, "peak_rss_gib": _peak_rss_gib()}
+    run.log_series("train_loss", trained.loss_curve)
+    run.log_series("train_step0_acc", trained.step0_acc_curve)
+    log.info("retrain: sim accept length %.3f -> %.3f on %d held-out positions",
+             before.accept_length, after.accept_length, after.positions)
+    return _Trained(before, after, trained.loss_curve, metrics)
+
+
+def _register(cfg, registry: Registry, run, inputs: _Inputs, trained: _Trained, code: str, work: Path):
+    """Step 7: save the candidate, log it with its digest, register it as ``challenger``."""
+    import torch
+
+    plan, data, before, after = inputs.plan, inputs.data, trained.before, trained.after
+    lineage = {TAG_KIND: "retrain", TAG_PARENT: inputs.parent, TAG_CODE: code,
+               TAG_WINDOW_START: plan.window_start_s, TAG_WINDOW_END: plan.window_end_s,
+               TAG_RECENT_REQUESTS: len(plan.recent), TAG_REPLAY_REQUESTS: len(plan.replay),
+               TAG_HELDOUT_REQUESTS: len(data.heldout), TAG_TRAIN_TOKENS: data.train_tokens,
+               TAG_SIM_ACCEPT: round(after.accept_length, 4),
+               TAG_PARENT_SIM_ACCEPT: round(before.accept_length, 4),
+               TAG_HELDOUT_POSITIONS: after.positions, TAG_RUN_ID: run.run_id}
+    folder = save_drafter(inputs.candidate, work / "drafter", metadata={
+        "version": f"run-{run.run_id}", "parent_version": inputs.parent, "run_id": run.run_id,
+        "data_window": [plan.window_start_s, plan.window_end_s], "target": cfg.model.model_id,
+        "heldout_sim_accept_length": round(after.accept_length, 4),
+        "parent_heldout_sim_accept_length": round(before.accept_length, 4),
+        "parent_recorded_sim_accept_length": inputs.parent_recorded, "code_version": code}, dtype=torch.bfloat16)
+    run.log_json("retrain.json", {"plan": plan.summary(), "metrics": trained.metrics,
+                                  "loss_curve": trained.loss_curve,
+                                  "request_ids": {"recent": plan.recent, "replay": plan.replay,
+                                                  "heldout": plan.heldout}})
+    artifact = run.log_drafter(folder)
+    run.log_metrics(trained.metrics)
+    info = registry.register(artifact, lineage, alias=CHALLENGER,
+                             description=f"retrain of {inputs.parent} on {len(data.train)} requests")
+    run.set_tags({TAG_REGISTERED_VERSION: info.version})
+    return info
+
+
+def _auto_promote(registry: Registry, cfg) -> dict:
+    """ops.auto_promote: the registered version stands either way; a failed promotion is logged."""
+    try:
         from tide.ops.promotion import maybe_auto_promote
-        promotion = maybe_auto_promote(registry, cfg).to_dict()
+        return maybe_auto_promote(registry, cfg).to_dict()
     except Exception as exc:  # noqa: BLE001
         log.exception("retrain: auto-promotion failed")
-        promotion = {"promote": False, "reason": f"auto-promotion failed: {type(exc).__name__}: {exc}"}
-    return RetrainResult(REGISTERED, version=info.version, run_id=run.run_id,
-                         metrics={**summary, **metrics, "auto_promotion": promotion})
+        return {"promote": False, "reason": f"auto-promotion failed: {type(exc).__name__}: {exc}"}
 
 
 def _peak_rss_gib() -> float:
@@ -280,10 +348,10 @@ def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: 
         result = run_retrain(cfg, progress=progress)
         code = 0
     except RetrainInterrupted as exc:
-        result, code = RetrainResult(FAILED, reason=f"interrupted ({exc})"), 143
+        result, code = RetrainResult(RETRAIN_FAILED, reason=f"interrupted ({exc})"), 143
     except Exception as exc:  # reported to the scheduler, which backs off
         log.exception("retrain failed")
-        result, code = RetrainResult(FAILED, reason=f"{type(exc).__name__}: {exc}"), 1
+        result, code = RetrainResult(RETRAIN_FAILED, reason=f"{type(exc).__name__}: {exc}"), 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     payload = json.dumps(result.to_json(), indent=1, default=str)

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tide.config import EngineConfig, ServerConfig
-from tide.engine.base import EngineStats, GenerationRequest, TokenEvent
+from tide.engine.base import Engine, EngineStats, GenerationRequest, TokenEvent
 from tide.engine.server import HttpServer, build_app, serve
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -43,7 +43,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     """A fake satisfying tide.engine.base.Engine, for HTTP tests. Not a model.
 
     Output of every request: the byte tokens of SCRIPT, cycled, in events of 1, 2, 3, 1, ...
@@ -115,8 +115,22 @@ class FakeEngine:
                 self._stats.requests_finished += 1
                 self._stats.tokens_generated += done
 
+    @property
+    def drafter(self) -> Any:
+        return None
+
+    @property
+    def last_swap_pause_s(self) -> float:
+        return 0.0
+
+    def validate_drafter(self, folder: Any, smoke_prompt_ids: list[int]) -> Any:
+        raise NotImplementedError("the fake engine serves no drafter")
+
     def swap_drafter(self, drafter: Any, version: str) -> None:
         raise NotImplementedError
+
+    def health(self) -> dict[str, Any]:
+        return {"fake": True}
 
     def set_capture_sink(self, sink: Any) -> None:
         pass

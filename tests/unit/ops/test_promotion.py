@@ -2,8 +2,9 @@
 acceptance beats the champion's (measured on the same slice) by the configured margin."""
 import pytest
 
+from tide.contracts import TAG_PARENT, TAG_PARENT_SIM_ACCEPT, TAG_REGISTRATION, TAG_SIM_ACCEPT
 from tide.ops.promotion import decide
-from tide.registry import TAG_PARENT, TAG_PARENT_SIM_ACCEPT, TAG_REGISTRATION, TAG_SIM_ACCEPT, VersionInfo
+from tide.registry import VersionInfo
 
 
 def version(v, aliases=(), **tags):

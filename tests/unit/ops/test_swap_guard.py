@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tide.drafter.artifact import TargetSpec, save_drafter
-from tide.drafter.vocab import build_d2t, mapping_digest
+from tide.drafter.artifact import save_drafter
+from tide.drafter.vocab import build_d2t
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine
 from tide.ops.guard import CollapseGuard
@@ -20,9 +20,7 @@ def setup(tiny_target, tiny_drafter, tmp_path):
     engine = ReferenceEngine(tiny_target, None, tiny_drafter, "1", target_model_id="tiny", draft_len=3,
                              max_batch_size=2, max_seq_len=200)
     champion = {"value": None}
-    spec = TargetSpec(64, 512, tiny_target.aux_layer_ids)
-    watcher = SwapWatcher(engine, lambda: champion["value"], spec, mapping_digest(tiny_drafter.d2t),
-                          smoke_prompt_ids=[5, 6, 7, 8], draft_len=3)
+    watcher = SwapWatcher(engine, lambda: champion["value"], smoke_prompt_ids=[5, 6, 7, 8])
     yield engine, watcher, champion, tmp_path
     engine.close()
 

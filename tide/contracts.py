@@ -1,0 +1,55 @@
+"""What TIDE's components exchange, defined once: record sizes, dead-letter reasons, retrain and job
+statuses, registry aliases and lineage tag names.
+
+Standard library only, so every process (engine, ingest, scheduler, a retrain Job, the CLI) can
+import it without torch, MLflow or Kafka. A value here is a wire or storage contract: changing
+one changes what older records, result files, registry tags or dashboards mean.
+"""
+from __future__ import annotations
+
+# --- capture records (tide/records.py encodes them; ingest, the dataset and training read them) ---
+# bytes per stored hidden-state value, by storage dtype name
+HIDDEN_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1}
+# why a record went to the dead-letter topic (the reason header ingest writes)
+DEAD_MALFORMED = "malformed"  # not a record: bad magic, CRC, header or sizes
+DEAD_UNKNOWN_VERSION = "unknown_version"  # a schema version this ingest cannot read
+DEAD_OVERSIZED = "oversized"  # larger than ingest.max_record_bytes
+
+# --- the retrain command's result file (``tide train --online --result-json``) ---
+RETRAIN_REGISTERED = "registered"  # a challenger version was registered
+RETRAIN_NOTHING_TO_DO = "nothing_to_do"  # not enough readable data: no version, not a failure
+RETRAIN_FAILED = "failed"
+RETRAIN_SUCCESS_STATUSES = (RETRAIN_REGISTERED, RETRAIN_NOTHING_TO_DO)
+
+# --- how a launched retrain job ended (scheduler state, metrics label ``outcome``) ---
+JOB_SUCCEEDED = "succeeded"
+JOB_FAILED = "failed"
+JOB_TIMED_OUT = "timed_out"
+JOB_CANCELLED = "cancelled"  # stopped on purpose (scheduler shutdown): no backoff
+JOB_OUTCOMES = (JOB_SUCCEEDED, JOB_FAILED, JOB_TIMED_OUT, JOB_CANCELLED)
+
+# --- registry: aliases engines follow and operators move ---
+CHAMPION, CHALLENGER, PREVIOUS_CHAMPION = "champion", "challenger", "previous-champion"
+
+# --- registry: version and run tags (lineage); MLflow stores every value as a string ---
+TAG_KIND = "tide.kind"  # static | retrain
+TAG_REGISTRATION = "tide.registration"  # pending | complete
+TAG_PARENT = "tide.parent_version"  # the version the retrain warm-started from
+TAG_WINDOW_START = "tide.data_window_start_s"  # capture time span of the recent window
+TAG_WINDOW_END = "tide.data_window_end_s"
+TAG_RECENT_REQUESTS = "tide.recent_requests"
+TAG_REPLAY_REQUESTS = "tide.replay_requests"
+TAG_HELDOUT_REQUESTS = "tide.heldout_requests"
+TAG_HELDOUT_POSITIONS = "tide.heldout_positions"
+TAG_TRAIN_TOKENS = "tide.train_tokens"
+TAG_RUN_ID = "tide.run_id"  # the MLflow run that trained it
+TAG_REGISTERED_VERSION = "tide.registered_version"  # run tag: the version the run registered
+TAG_CHECKSUM = "tide.artifact_sha256"  # digest of the whole drafter folder (folder_digest)
+TAG_WEIGHTS_SHA = "tide.weights_sha256"  # sha256 of model.safetensors (also in tide.json)
+TAG_VOCAB = "tide.vocab_mapping"
+TAG_CODE = "tide.code_version"
+TAG_SIM_ACCEPT = "tide.sim_accept_length"  # this version, on its run's held-out slice
+TAG_PARENT_SIM_ACCEPT = "tide.parent_sim_accept_length"  # its parent, same slice
+TAG_ROLLED_BACK = "tide.rolled_back"  # set on the version a rollback moved away from (its reason)
+TAG_HOST, TAG_PID = "tide.host", "tide.pid"  # who holds a pending registration
+OP_TAG_PREFIX = "tide.op."  # registered-model tags: one per promote/rollback
