@@ -117,7 +117,7 @@ def worker_ingest(args: argparse.Namespace) -> dict:
     config = IngestConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic,
                           dead_letter_topic=args.topic + ".dead-letter",
                           group_id=f"bench-{uuid.uuid4().hex[:8]}", metrics_port=0)
-    sys.setswitchinterval(config.switch_interval_s)  # as services/ingest/main.py does
+    sys.setswitchinterval(config.switch_interval_s)  # as tide/services/ingest.py does
     ingestor = Ingestor(config, args.data_dir)
     ingestor.open()
     idle_rss = _peak_rss_mib()
