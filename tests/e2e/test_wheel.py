@@ -68,8 +68,9 @@ def venv(tmp_path_factory) -> Path:
     env_dir = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], check=True,
                    timeout=300)
-    # dependencies are already satisfied from the base environment: nothing is downloaded
-    subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+    # dependencies come from the base environment (nothing is downloaded); --ignore-installed: pip
+    # would otherwise call the base environment's editable tide 0.1.0 "already satisfied"
+    subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
                     "--disable-pip-version-check", str(wheel)], check=True, cwd=tmp, timeout=600)
     return env_dir
 
