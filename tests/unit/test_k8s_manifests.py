@@ -221,3 +221,18 @@ def test_metric_names_under_k8s_exist():
     mentioned = {re.sub(r"_(bucket|sum|count|created)$", "", m)
                  for p in K8S.rglob("*") if p.is_file() for m in re.findall(r"\btide_[a-z_]+", p.read_text())}
     assert mentioned and mentioned <= defined, sorted(mentioned - defined)
+
+
+def test_dockerfile_installs_the_wheel_and_its_runtime_stage_has_no_compiler():
+    """The image is never built here (no container runtime): its shape is checked as text."""
+    text = (K8S / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    assert len(stages) == 2, "a build stage and a runtime stage"
+    build, runtime = stages
+    assert "pip wheel --no-deps" in build and re.search(r"pip install /dist/tide-\*\.whl\s*$", build, re.M)
+    assert "[dev]" not in text and " -e " not in text  # no editable install, no dev extras
+    assert "rowkernel import build" in build  # the kernel is compiled where the compiler is
+    assert not re.search(r"\b(gcc|cc|clang|build-essential|apt-get)\b", runtime), "a compiler in the runtime stage"
+    copied = re.findall(r"^COPY --from=build .*?(/\S+) (/\S+)$", runtime, re.M)
+    assert ("/opt/venv", "/opt/venv") in copied and ("/var/lib/tide", "/var/lib/tide") in copied
+    assert re.search(r"TIDE_HOME=/var/lib/tide", runtime)  # where rowkernel looks for the built .so
