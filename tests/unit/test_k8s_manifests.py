@@ -4,10 +4,11 @@ Every YAML document validates against the Kubernetes client's models (a misspell
 kubectl's strict validation would); the kustomizations list every manifest and keep to kustomize's
 loader rules; the ConfigMap's config.yaml passes tide.config's strict loader; every TIDE_* variable
 in a manifest or overlay names a config field and parses; containers run the packaged services
-(`python -m tide.services.X`) with flags they accept; ports, probes and scrape annotations match the config and the services'
-routes; the scheduler's Role grants exactly KubernetesLauncher's API calls; build_job over the
-ConfigMap's config (and the AMD overlay's env) asks for the GPU on the training pool and mounts
-objects that exist; every tide_* metric named under k8s/ is in tide/metrics.py.
+(`python -m tide.services.X`) with flags they accept; ports, probes and scrape annotations match
+the config and the services' routes; the scheduler's Role grants exactly KubernetesLauncher's API
+calls; build_job over the ConfigMap's config (and the AMD overlay's env) asks for the GPU on the
+training pool and mounts objects that exist; every tide_* metric named under k8s/ is in
+tide/metrics.py; the Dockerfile installs the wheel and keeps the compiler out of the runtime stage.
 """
 import copy
 import dataclasses
