@@ -12,7 +12,7 @@ demo: install
 	$(PY) -m tide.cli demo
 
 test: install
-	$(PY) -m ruff check tide tests bench services scripts
+	$(PY) -m ruff check tide tests bench scripts
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-unit: install
@@ -23,4 +23,4 @@ static-drafter: install
 	$(PY) -m tide.cli train --static --out tide/assets/drafters/smollm2-static
 
 bench: install
-	$(PY) bench/spec_decode.py --json reports/bench/spec_decode.json
+	$(PY) -m bench.spec_decode --json reports/bench/spec_decode.json

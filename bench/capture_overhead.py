@@ -5,7 +5,7 @@ concurrent greedy requests) so machine-load drift hits both. Capture on means th
 enqueues every committed position and the producer thread serialises and sends to a real
 Kafka-protocol broker (tansu, started here on loopback).
 
-    python bench/capture_overhead.py [--rounds 3] [--requests 8] [--max-new-tokens 48] [--json out.json]
+    python -m bench.capture_overhead [--rounds 3] [--requests 8] [--max-new-tokens 48] [--json out.json]
 """
 from __future__ import annotations
 
@@ -17,21 +17,17 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.report import print_table, write_json  # noqa: E402
-from tide import metrics, workloads  # noqa: E402
-from tide.capture.tap import CaptureTap  # noqa: E402
-from tide.config import load_config  # noqa: E402
-from tide.drafter.artifact import TargetSpec, load_drafter  # noqa: E402
-from tide.drafter.static import static_drafter_path  # noqa: E402
-from tide.engine.base import GenerationRequest, SamplingParams  # noqa: E402
-from tide.engine.reference import ReferenceEngine, load_target  # noqa: E402
-from tide.process import free_port  # noqa: E402
-from tide.stack import _tcp_ready  # noqa: E402
-from tide.train.offline import render_prompt  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+from bench.report import print_table, write_json
+from tide import metrics, workloads
+from tide.capture.tap import CaptureTap
+from tide.config import load_config
+from tide.drafter.artifact import TargetSpec, load_drafter
+from tide.drafter.static import static_drafter_path
+from tide.engine.base import GenerationRequest, SamplingParams
+from tide.engine.reference import ReferenceEngine, load_target
+from tide.process import free_port
+from tide.stack import _tcp_ready
+from tide.train.offline import render_prompt
 
 
 def run_round(engine, prompts, n) -> float:
@@ -57,7 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     port = free_port()
     state = Path(tempfile.mkdtemp(prefix="tide-bench-broker-"))
-    broker = subprocess.Popen(["bash", str(REPO / "scripts/broker.sh"), "run", "memory", "--port", str(port),
+    broker = subprocess.Popen([sys.executable, "-m", "tide.broker", "run", "memory", "--port", str(port),
                                "--state-dir", str(state)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

@@ -6,7 +6,7 @@ with the row kernel, one on torch's kernels: oneDNN prepacked for several rows, 
 the same random context; each round times every (kernel, q) pair in turn, so machine drift hits
 all alike. Prints median ms per forward and each setting's ratio to its own q=1.
 
-    python bench/forward.py [--context 200] [--rounds 10] [--json out.json]
+    python -m bench.forward [--context 200] [--rounds 10] [--json out.json]
 """
 from __future__ import annotations
 
@@ -14,16 +14,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench.report import print_table, write_json  # noqa: E402
-from tide.config import load_config  # noqa: E402
-from tide.models.checkpoint import ensure_target_checkpoint  # noqa: E402
-from tide.models.llama import LlamaTarget  # noqa: E402
+from bench.report import print_table, write_json
+from tide.config import load_config
+from tide.models.checkpoint import ensure_target_checkpoint
+from tide.models.llama import LlamaTarget
 
 
 def main() -> int:

@@ -12,8 +12,8 @@ Steps:
    commit) and report peak RSS (VmHWM); steps 3-4 alternate for --rounds rounds so load from
    other processes hits both alike; the median ratio is the result. Table, optionally --json.
 
-    python bench/ingest.py [--backlog-mb 1024] [--json reports/bench/ingest.json]
-    python bench/ingest.py --backlog-mb 200       # a short run: the fixed durable tail weighs more
+    python -m bench.ingest [--backlog-mb 1024] [--json reports/bench/ingest.json]
+    python -m bench.ingest --backlog-mb 200       # a short run: the fixed durable tail weighs more
 """
 from __future__ import annotations
 
@@ -27,9 +27,6 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 HIDDEN = 576
 MAX_MESSAGE_BYTES = 900_000
@@ -120,7 +117,7 @@ def worker_ingest(args: argparse.Namespace) -> dict:
     config = IngestConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic,
                           dead_letter_topic=args.topic + ".dead-letter",
                           group_id=f"bench-{uuid.uuid4().hex[:8]}", metrics_port=0)
-    sys.setswitchinterval(config.switch_interval_s)  # as services/ingest/main.py does
+    sys.setswitchinterval(config.switch_interval_s)  # as tide/services/ingest.py does
     ingestor = Ingestor(config, args.data_dir)
     ingestor.open()
     idle_rss = _peak_rss_mib()
@@ -146,7 +143,7 @@ def worker_ingest(args: argparse.Namespace) -> dict:
 
 def _run_worker(kind: str, bootstrap: str, topic: str, messages: int, nbytes: int,
                 data_dir: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", kind, "--bootstrap-servers", bootstrap,
+    cmd = [sys.executable, "-m", "bench.ingest", "--worker", kind, "--bootstrap-servers", bootstrap,
            "--topic", topic, "--messages", str(messages), "--bytes", str(nbytes),
            "--data-dir", data_dir]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
@@ -172,16 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    import importlib.util
-
     from bench.report import print_table, write_json
+    from tide import broker
     from tide.config import IngestConfig
     from tide.dataset.ingest import ensure_topics
-
-    spec = importlib.util.spec_from_file_location("tide_scripts_broker", ROOT / "scripts" / "broker.py")
-    broker = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = broker
-    spec.loader.exec_module(broker)
 
     with tempfile.TemporaryDirectory(prefix="tide-bench-ingest-") as tmp:
         stack = None

@@ -14,7 +14,7 @@ Steps:
 4. wall time of the child, its peak RSS (rusage of the child), tokens/s from its result JSON.
 Floors: wall <= 10 min, peak RSS <= 4 GiB.
 
-    python bench/retrain.py [--tokens 50000] [--json out.json]
+    python -m bench.retrain [--tokens 50000] [--json out.json]
 """
 from __future__ import annotations
 
@@ -28,16 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import yaml
 
-import yaml  # noqa: E402
-
-from bench.report import print_table, write_json  # noqa: E402
-from tide.config import load_config  # noqa: E402
-from tide.drafter.static import cached_static_path, static_drafter_path  # noqa: E402
-from tide.models.checkpoint import ensure_target_checkpoint  # noqa: E402
-from tide.train.capture_log import log_samples  # noqa: E402
-from tide.train.window import heldout_score  # noqa: E402
+from bench.report import print_table, write_json
+from tide.config import load_config
+from tide.drafter.static import cached_static_path, static_drafter_path
+from tide.models.checkpoint import ensure_target_checkpoint
+from tide.train.capture_log import log_samples
+from tide.train.window import heldout_score
 
 FLOOR_WALL_S = 600.0
 FLOOR_RSS_GIB = 4.0
@@ -125,8 +123,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "tide.cli", "train", "--online", "--config", str(home / "bench.yaml"),
                "--result-json", str(result_path)]
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent,
-                                env={**os.environ, "TQDM_DISABLE": "1"})
+        proc = subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
         _, status, usage = os.wait4(proc.pid, 0)
         wall_s = time.monotonic() - t0
         code = os.waitstatus_to_exitcode(status)

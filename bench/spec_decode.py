@@ -6,7 +6,7 @@ tokens committed per target forward, per-position acceptance, decode tokens/s of
 their ratio (prefill excluded from both). ``--batch B`` repeats the comparison through the
 batched reference engine with B concurrent requests.
 
-    python bench/spec_decode.py [--prompts 16] [--max-new-tokens 64] [--gamma 4] [--json out.json]
+    python -m bench.spec_decode [--prompts 16] [--max-new-tokens 64] [--gamma 4] [--json out.json]
 """
 from __future__ import annotations
 
@@ -17,20 +17,17 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-from bench.report import print_table, write_json  # noqa: E402
-from tide import workloads  # noqa: E402
-from tide.config import load_config  # noqa: E402
-from tide.drafter.artifact import TargetSpec, load_drafter  # noqa: E402
-from tide.drafter.model import for_serving  # noqa: E402
-from tide.drafter.static import static_drafter_path  # noqa: E402
-from tide.engine.base import GenerationRequest, SamplingParams  # noqa: E402
-from tide.engine.reference import ReferenceEngine, load_target  # noqa: E402
-from tide.report import ModeResult, ratio_interval  # noqa: E402
-from tide.spec.generate import generate  # noqa: E402
-from tide.train.offline import render_prompt  # noqa: E402
+from bench.report import print_table, write_json
+from tide import workloads
+from tide.config import load_config
+from tide.drafter.artifact import TargetSpec, load_drafter
+from tide.drafter.model import for_serving
+from tide.drafter.static import static_drafter_path
+from tide.engine.base import GenerationRequest, SamplingParams
+from tide.engine.reference import ReferenceEngine, load_target
+from tide.report import ModeResult, ratio_interval
+from tide.spec.generate import generate
+from tide.train.offline import render_prompt
 
 
 def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0):

@@ -4,7 +4,7 @@ Steps:
 1. registry: a fresh MLflow SQLite store in a work folder; version 1 = the static drafter
    (champion), version 2 = the same drafter with slightly perturbed weights (challenger);
 2. reference: an engine process with speculation off (target-only) answers every prompt once;
-3. load: an engine process (services/engine/main.py, speculation on, following the registry)
+3. load: an engine process (tide/services/engine.py, speculation on, following the registry)
    and a load generator in another process keeping ``--concurrency`` streaming greedy chat
    requests in flight; meanwhile this process promotes version 2 and rolls back to version 1
    ``--swaps`` times each over the control API;
@@ -13,7 +13,7 @@ Steps:
    API and observed in tide_engine_swap_pause_seconds) against the median decode step
    (tide_engine_step_seconds), and the stream gaps clients saw around swaps.
 
-    python bench/swap.py [--target smollm2|tiny] [--swaps 5] [--concurrency 8] [--json PATH]
+    python -m bench.swap [--target smollm2|tiny] [--swaps 5] [--concurrency 8] [--json PATH]
 """
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PROMPTS = [
     "What is the capital of France?", "Give me three tips for sleeping better.",
@@ -189,7 +187,7 @@ def start_engine(name: str, cfg_path: Path, work: Path, env: dict):
     from tide.process import free_port, python_service
 
     port = free_port()
-    proc = python_service(name, "services/engine/main.py", ["--config", str(cfg_path), "--port", str(port)],
+    proc = python_service(name, "tide.services.engine", ["--config", str(cfg_path), "--port", str(port)],
                           work / "logs", env=env, health_url=f"http://127.0.0.1:{port}/health")
     proc.start()
     try:
@@ -205,7 +203,7 @@ def loadgen_process(url: str, args, work: Path, tag: str, once: bool):
 
     prompts_file, out = work / "prompts.json", work / f"{tag}.jsonl"
     prompts_file.write_text(json.dumps(PROMPTS[:args.prompts]))
-    argv = [sys.executable, __file__, "--loadgen", url, "--prompts-file", str(prompts_file),
+    argv = [sys.executable, "-m", "bench.swap", "--loadgen", url, "--prompts-file", str(prompts_file),
             "--out", str(out), "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens),
             "--stop-file", str(work / f"{tag}.stop")] + (["--once"] if once else [])
     return subprocess.Popen(argv), out

@@ -47,11 +47,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from services.engine.main import main as engine_main
+def _service_argv(args: argparse.Namespace) -> list[str]:
+    """The verb's ``--config`` for the service's own parser (its other flags: ``python -m``)."""
+    return ["--config", args.config] if getattr(args, "config", None) else []
 
-    argv = ["--config", args.config] if args.config else []
-    return engine_main(argv)
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tide.services.engine import main as engine_main
+
+    return engine_main(_service_argv(args))
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from tide.services.ingest import main as ingest_main
+
+    return ingest_main(_service_argv(args))
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from tide.services.scheduler import main as scheduler_main
+
+    return scheduler_main(_service_argv(args))
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -173,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the current training window in SpecForge's offline format")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("serve", help="run the engine's HTTP server")
-    p.set_defaults(fn=cmd_serve)
+    for name, fn, what in (("serve", cmd_serve, "run the engine's HTTP server (python -m tide.services.engine)"),
+                           ("ingest", cmd_ingest, "run ingest: Kafka to Parquet (python -m tide.services.ingest)"),
+                           ("scheduler", cmd_scheduler,
+                            "run the retrain scheduler (python -m tide.services.scheduler)")):
+        p = sub.add_parser(name, help=what)
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("ask", help="answer one prompt in-process")
     p.add_argument("prompt")

@@ -1,6 +1,6 @@
 """Child processes for ``tide demo``/``tide up``: start with a log file, wait healthy, stop cleanly.
 
-Each service runs as its own process (``python services/<name>/main.py``) with its own log file;
+Each service runs as its own process (``python -m tide.services.<name>``) with its own log file;
 stop sends SIGTERM, waits, and escalates to SIGKILL only after ``stop_timeout_s``.
 """
 from __future__ import annotations
@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def pid_alive(pid: int) -> bool:
@@ -49,8 +47,10 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        # the caller's working directory: services are modules of the installed package, so
+        # nothing depends on where a checkout lies
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=REPO_ROOT, start_new_session=True)
+                                     start_new_session=True)
         log.close()
         return self
 
@@ -87,7 +87,8 @@ class ServiceProcess:
             return self.proc.wait()
 
 
-def python_service(name: str, script: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
+def python_service(name: str, module: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None,
                    health_url: str | None = None) -> ServiceProcess:
-    return ServiceProcess(name, [sys.executable, str(REPO_ROOT / script), *args], log_dir / f"{name}.log",
+    """``python -m module args`` with this interpreter (e.g. ``tide.services.engine``)."""
+    return ServiceProcess(name, [sys.executable, "-m", module, *args], log_dir / f"{name}.log",
                           env or {}, health_url)

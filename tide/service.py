@@ -1,4 +1,4 @@
-"""What every long-running service does before its own work: the shared start of services/*/main.py.
+"""What every long-running service does before its own work: the shared start of tide/services/*.py.
 
 Steps (``start``): set up logging → load the config (YAML file, then ``TIDE_<SECTION>__<FIELD>``
 environment, then the command line's overrides) → log the resolved config → install SIGTERM and

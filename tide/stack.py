@@ -8,7 +8,7 @@ Start order (each waits healthy before the next; stop is the reverse):
 4. ingest: Kafka → Parquet dataset;
 5. scheduler: launches retrains when enough new samples arrived;
 6. Prometheus (when the ``prometheus`` binary is installed; scripts/install.sh installs it):
-   scrapes the three services and evaluates ``dashboards/prometheus-rules.yml``; its graph of
+   scrapes the three services and evaluates ``tide/assets/dashboards/prometheus-rules.yml``; its graph of
    acceptance length by drafter version is the local dashboard.
 The resolved configuration is written to ``<home>/run/tide.yaml`` and passed to every service,
 so each part can be pointed at an external service instead by editing one file.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from tide import prometheus
-from tide.process import REPO_ROOT, ServiceProcess, free_port, python_service
+from tide.process import ServiceProcess, free_port, python_service
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,11 @@ class Stack:
             self.config_path.chmod(0o600)  # holds the control token
             env = {"TIDE_HOME": str(home)}
             conf = ["--config", str(self.config_path)]
-            self._run(python_service("engine", "services/engine/main.py", conf, logs, env,
+            self._run(python_service("engine", "tide.services.engine", conf, logs, env,
                                      f"http://127.0.0.1:{ports['engine']}/health"), timeout_s=900)
-            self._run(python_service("ingest", "services/ingest/main.py", conf, logs, env,
+            self._run(python_service("ingest", "tide.services.ingest", conf, logs, env,
                                      f"http://127.0.0.1:{ports['ingest']}/health"))
-            self._run(python_service("scheduler", "services/scheduler/main.py", conf, logs, env,
+            self._run(python_service("scheduler", "tide.services.scheduler", conf, logs, env,
                                      f"http://127.0.0.1:{ports['scheduler']}/health"))
             self.endpoints.update({
                 "engine": f"http://127.0.0.1:{ports['engine']}",
@@ -97,7 +98,7 @@ class Stack:
     def _start_broker(self, logs: Path) -> str:
         port = free_port()
         mode = "durable" if self.opts.durable_broker else "memory"
-        svc = ServiceProcess("broker", ["bash", str(REPO_ROOT / "scripts/broker.sh"), "run", mode, "--port",
+        svc = ServiceProcess("broker", [sys.executable, "-m", "tide.broker", "run", mode, "--port",
                                         str(port), "--state-dir", str(self.opts.home / "broker")],
                              logs / "broker.log")
         self.services.append(svc.start())
@@ -112,7 +113,6 @@ class Stack:
         port = free_port()
         root = self.opts.home / "mlflow"
         root.mkdir(parents=True, exist_ok=True)
-        import sys
         svc = ServiceProcess("mlflow", [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
                                         "--port", str(port), "--workers", "1",
                                         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",

@@ -1,34 +1,21 @@
 """Fixtures that start real brokers (tansu; durable = tansu on SeaweedFS S3) on free loopback ports.
 
-The broker code lives in scripts/broker.py (stdlib only) so the demo scripts and the tests start
-brokers the same way. Every process started here is stopped at teardown.
+The broker code is tide/broker.py (stdlib only), so `tide up`, the demo and the tests start brokers
+the same way. Every process started here is stopped at teardown.
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import signal
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
+from tide import broker as broker_scripts
+
 torch.set_num_threads(1)
-
-_BROKER_PY = Path(__file__).resolve().parents[2] / "scripts" / "broker.py"
-
-
-def _load_broker_module():
-    spec = importlib.util.spec_from_file_location("tide_scripts_broker", _BROKER_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-broker_scripts = _load_broker_module()
 
 
 def _start(mode: str, state_dir: Path):

@@ -22,7 +22,6 @@ from tide.dataset.ingest import ensure_topics
 from tide.dataset.schema import list_files
 from tide.records import Record, encode, split
 
-SERVICE = Path(__file__).resolve().parents[2] / "services" / "ingest" / "main.py"
 KILLS = 5
 H = 64
 
@@ -64,7 +63,7 @@ class Traffic(threading.Thread):
 
 
 def _start_service(env: dict, log_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SERVICE), "--log-level", "INFO"], env=env,
+    return subprocess.Popen([sys.executable, "-m", "tide.services.ingest", "--log-level", "INFO"], env=env,
                             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
 
 

@@ -1,6 +1,6 @@
 """Drafter operations end to end: a real MLflow SQLite registry, the tiny target's reference
 engine served over real HTTP with the drafter follower and control API, exactly as
-services/engine/main.py wires them (build_engine -> DrafterFollower.from_config -> build_app).
+tide/services/engine.py wires them (build_engine -> DrafterFollower.from_config -> build_app).
 
 The engine's first drafter is a tiny drafter trained here (about 10 s) on the target's own greedy
 output for PROMPTS, so on that traffic it gets drafts accepted (about 1.5 tokens per forward)
@@ -95,7 +95,7 @@ def make_config(tiny, store, home: Path, model_name: str, **ops):
 
 
 class Stack:
-    """Engine + follower + HTTP server, wired like services/engine/main.py."""
+    """Engine + follower + HTTP server, wired like tide/services/engine.py."""
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -1,7 +1,7 @@
-"""The real scheduler service (services/scheduler/main.py) over a real Parquet dataset and index.
+"""The real scheduler service (tide/services/scheduler.py) over a real Parquet dataset and index.
 
 Parquet files are written and indexed with the dataset's own writer and index, exactly as ingest
-commits them. The launched command is tests/unit/schedule/retrain_stub.py, a real process with the
+commits them. The launched command is tests/stubs/retrain_stub.py, a real process with the
 retrain job's command-line and result-file contract (sleeps, fails, or hangs on demand); every
 start appends a line to a launches file, so "exactly one job" is counted from the processes
 themselves, not from the scheduler's bookkeeping. The scheduler is killed (SIGKILL) and stopped
@@ -9,7 +9,6 @@ themselves, not from the scheduler's bookkeeping. The scheduler is killed (SIGKI
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import numpy as np
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from stubs import retrain_stub
+from stubs.retrain_stub import kill_stubs
 
 from tide.dataset.index import DatasetIndex
 from tide.dataset.schema import Row, partition_dir
@@ -30,11 +31,7 @@ from tide.records import Record
 from tide.schedule.local_launcher import process_alive
 from tide.schedule.state import StateStore
 
-STUB = Path(__file__).resolve().parents[1] / "unit" / "schedule" / "retrain_stub.py"
-_spec = importlib.util.spec_from_file_location("tide_retrain_stub", STUB)
-kill_stubs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kill_stubs)
-kill_stubs = kill_stubs.kill_stubs
+STUB = Path(retrain_stub.__file__)  # run as a script: the scheduler launches a command line
 H = 8
 
 
@@ -90,7 +87,7 @@ class Stack:
         tmp.replace(self.control)
 
     def start(self, config: Path):
-        svc = python_service(f"scheduler-{len(self.services)}", "services/scheduler/main.py",
+        svc = python_service(f"scheduler-{len(self.services)}", "tide.services.scheduler",
                              ["--config", str(config)], self.tmp / "logs",
                              health_url=f"http://127.0.0.1:{self.port}/health")
         self.services.append(svc.start())
@@ -226,8 +223,7 @@ def test_timed_out_retrain_is_killed_with_its_children(stack, wait):
 
 def test_bad_configuration_exits_2_with_the_field_named(stack):
     config = stack.write_config(sample_unit="bytes")
-    proc = subprocess.run([sys.executable, "services/scheduler/main.py", "--config", str(config)],
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "tide.services.scheduler", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "schedule.sample_unit" in proc.stderr
     assert not stack.state_path.exists()  # nothing written

@@ -40,3 +40,9 @@ def test_token_of_a_running_stack(tmp_path, capsys):
     (home / "run" / "tide.yaml").write_text(yaml.safe_dump({"server": {"control_token": "s3cret"}}))
     assert main(["token", "--home", str(home)]) == 0
     assert capsys.readouterr().out.strip() == "s3cret"
+
+
+@pytest.mark.parametrize("verb", ["serve", "ingest", "scheduler"])
+def test_service_verbs_start_the_packaged_services(tmp_path, verb, capsys):
+    """``tide serve|ingest|scheduler`` run tide/services/*: a missing config file exits 2 (before torch)."""
+    assert main([verb, "--config", str(tmp_path / "missing.yaml")]) == 2

@@ -1,4 +1,4 @@
-"""dashboards/: every metric the Grafana dashboard and the Prometheus rules name is one TIDE
+"""tide/assets/dashboards/ (package data): every metric the Grafana dashboard and the Prometheus rules name is one TIDE
 exports (tide/metrics.py), every query parses, and the rules compute what they claim
 (``promtool test rules`` over synthetic series). promtool comes with the prometheus Debian
 package that scripts/install.sh installs."""
@@ -13,8 +13,9 @@ import yaml
 from prometheus_client import Counter, Gauge, Histogram
 
 import tide.metrics
+import tide.prometheus
 
-DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
+DASHBOARDS = Path(tide.prometheus.RULES_PATH).parent
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 

@@ -3,15 +3,16 @@
 Every YAML document validates against the Kubernetes client's models (a misspelled field fails as
 kubectl's strict validation would); the kustomizations list every manifest and keep to kustomize's
 loader rules; the ConfigMap's config.yaml passes tide.config's strict loader; every TIDE_* variable
-in a manifest or overlay names a config field and parses; containers run existing services/*/main.py
-with flags they accept; ports, probes and scrape annotations match the config and the services'
-routes; the scheduler's Role grants exactly KubernetesLauncher's API calls; build_job over the
-ConfigMap's config (and the AMD overlay's env) asks for the GPU on the training pool and mounts
-objects that exist; every tide_* metric named under k8s/ is in tide/metrics.py.
+in a manifest or overlay names a config field and parses; containers run the packaged services
+(`python -m tide.services.X`) with flags they accept; ports, probes and scrape annotations match
+the config and the services' routes; the scheduler's Role grants exactly KubernetesLauncher's API
+calls; build_job over the ConfigMap's config (and the AMD overlay's env) asks for the GPU on the
+training pool and mounts objects that exist; every tide_* metric named under k8s/ is in
+tide/metrics.py; the Dockerfile installs the wheel and keeps the compiler out of the runtime stage.
 """
 import copy
 import dataclasses
-import importlib.util
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -115,11 +116,9 @@ def test_every_tide_env_var_names_a_config_field_and_parses(tmp_path):
 def test_containers_run_existing_services_with_accepted_flags():
     configmaps, pvcs = _named("ConfigMap"), _named("PersistentVolumeClaim")
     for dep, c in _containers():
-        python, script, *args = c["command"]
-        assert python == "python" and re.fullmatch(r"services/\w+/main\.py", script) and (ROOT / script).is_file()
-        spec = importlib.util.spec_from_file_location("svc_main", ROOT / script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        python, dash_m, name, *args = c["command"]
+        assert (python, dash_m) == ("python", "-m") and re.fullmatch(r"tide\.services\.\w+", name)
+        module = importlib.import_module(name)  # ImportError: no such service in the package
         # the path the scheduler gives its Jobs too, so Jobs and services read one file
         assert module.parse_args(args).config == f"{kubernetes_launcher.CONFIG_MOUNT}/config.yaml"
         volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
@@ -147,7 +146,7 @@ def test_ports_probes_and_scrape_annotations_match_config_and_routes(tmp_path):
               "scheduler": (cfg.schedule.metrics_host, cfg.schedule.metrics_port)}
     seen = set()
     for dep, c in _containers():
-        service = c["command"][1].split("/")[1]
+        service = c["command"][2].rpartition(".")[2]
         seen.add(service)
         host, port = listen[service]
         assert host == "0.0.0.0", f"{service} binds {host}: kubelet and Prometheus could not reach it"
@@ -223,3 +222,18 @@ def test_metric_names_under_k8s_exist():
     mentioned = {re.sub(r"_(bucket|sum|count|created)$", "", m)
                  for p in K8S.rglob("*") if p.is_file() for m in re.findall(r"\btide_[a-z_]+", p.read_text())}
     assert mentioned and mentioned <= defined, sorted(mentioned - defined)
+
+
+def test_dockerfile_installs_the_wheel_and_its_runtime_stage_has_no_compiler():
+    """The image is never built here (no container runtime): its shape is checked as text."""
+    text = (K8S / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    assert len(stages) == 2, "a build stage and a runtime stage"
+    build, runtime = stages
+    assert "pip wheel --no-deps" in build and re.search(r"pip install /dist/tide-\*\.whl\s*$", build, re.M)
+    assert "[dev]" not in text and " -e " not in text  # no editable install, no dev extras
+    assert "rowkernel import build" in build  # the kernel is compiled where the compiler is
+    assert not re.search(r"\b(gcc|cc|clang|build-essential|apt-get)\b", runtime), "a compiler in the runtime stage"
+    copied = re.findall(r"^COPY --from=build .*?(/\S+) (/\S+)$", runtime, re.M)
+    assert ("/opt/venv", "/opt/venv") in copied and ("/var/lib/tide", "/var/lib/tide") in copied
+    assert re.search(r"TIDE_HOME=/var/lib/tide", runtime)  # where rowkernel looks for the built .so

@@ -2,7 +2,7 @@
 import dataclasses
 import json
 import struct
-from pathlib import Path
+from importlib import resources
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import torch
 from tide import contracts, records
 from tide.records import Record, RecordError, decode, encode, hidden_to_float32, split
 
-SCHEMA_FILE = Path(__file__).resolve().parents[2] / "schemas" / "record_value.schema.json"
+SCHEMA_FILE = resources.files("tide").joinpath("assets/schemas/record_value.schema.json")  # package data
 
 
 def make_record(t: int = 7, h: int = 16, dtype: str = "bfloat16", seed: int = 0) -> Record:

@@ -1,13 +1,13 @@
 """The Parquet schema file matches the code; rows round-trip through Parquet."""
 import json
-from pathlib import Path
+from importlib import resources
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from tide.dataset.schema import PARQUET_SCHEMA, FileName, Row, partition_dir, row_to_record, rows_to_table
 
-SCHEMA_FILE = Path(__file__).resolve().parents[3] / "schemas" / "parquet.schema.json"
+SCHEMA_FILE = resources.files("tide").joinpath("assets/schemas/parquet.schema.json")  # package data
 
 
 def test_schema_file_matches_code():

@@ -5,13 +5,14 @@ import time
 from pathlib import Path
 
 import pytest
-from retrain_stub import kill_stubs  # noqa: E402 - this folder is on sys.path (conftest)
+from stubs import retrain_stub
+from stubs.retrain_stub import kill_stubs
 
 from tide.config import ScheduleConfig
 from tide.dataset.index import DatasetIndex
 from tide.dataset.writer import FileStats
 
-STUB = Path(__file__).with_name("retrain_stub.py")
+STUB = Path(retrain_stub.__file__)  # run as a script: the scheduler launches a command line
 
 
 class Kit:

@@ -18,7 +18,8 @@ log = logging.getLogger("tide.services.ingest")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="TIDE ingest: Kafka → Parquet dataset")
+    parser = argparse.ArgumentParser(prog="python -m tide.services.ingest",
+                                     description="TIDE ingest: Kafka → Parquet dataset")
     parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
     parser.add_argument("--bootstrap-servers", help="override ingest.bootstrap_servers")
     parser.add_argument("--data-dir", help="override ingest.data_dir")

@@ -17,7 +17,8 @@ log = logging.getLogger("tide.services.engine")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="TIDE engine: speculative decoding over HTTP")
+    parser = argparse.ArgumentParser(prog="python -m tide.services.engine",
+                                     description="TIDE engine: speculative decoding over HTTP")
     parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
     parser.add_argument("--host", help="override server.host")
     parser.add_argument("--port", type=int, help="override server.port")

@@ -24,7 +24,8 @@ log = logging.getLogger("tide.services.scheduler")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="TIDE scheduler: launches online retrains")
+    parser = argparse.ArgumentParser(prog="python -m tide.services.scheduler",
+                                     description="TIDE scheduler: launches online retrains")
     parser.add_argument("--config", help="YAML config file (sections as in tide/config.py); "
                                          "also passed on to the retrain command")
     parser.add_argument("--data-dir", help="override ingest.data_dir (the dataset to count)")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Start and stop a Kafka-protocol broker (tansu) on loopback, for the demo and the tests.
 
 Two modes:
@@ -14,11 +13,12 @@ Steps of ``start``:
    create buckets);
 3. start tansu, wait until it accepts connections, write pid files under the state directory.
 
-Stdlib only, so the test fixtures can load this file without installing anything. Nothing else in
-the project depends on tansu: clients take bootstrap servers from config.
+Stdlib only (``tide/__init__.py`` imports nothing), so starting a broker never loads torch.
+Nothing else in the project depends on tansu: clients take bootstrap servers from config.
 
-Usage: ``broker.py start memory|durable --port P --state-dir D [--s3-port P2]``,
-``broker.py stop --state-dir D``, ``broker.py run ...`` (foreground until SIGTERM/SIGINT).
+Usage: ``python -m tide.broker start memory|durable --port P --state-dir D [--s3-port P2]``,
+``python -m tide.broker stop --state-dir D``, ``python -m tide.broker run ...`` (foreground until
+SIGTERM/SIGINT). ``scripts/broker.sh`` is the same from a checkout.
 """
 from __future__ import annotations
 
