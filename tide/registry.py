@@ -327,7 +327,7 @@ class Registry:
         try:
             with self._guard(f"finish registering version {mv.version}"):
                 if alias:
-                    self.client.set_registered_model_alias(self.model_name, alias, mv.version)
+                    self._write_alias(alias, str(mv.version))
                 self.client.set_model_version_tag(self.model_name, mv.version, TAG_REGISTRATION, "complete")
         except BaseException:
             self._delete_quietly(int(mv.version))
@@ -442,7 +442,19 @@ class Registry:
     # --- aliases and operations -------------------------------------------------------------
     def set_alias(self, alias: str, version: int) -> None:
         with self._guard(f"set alias {alias} -> {version}"):
-            self.client.set_registered_model_alias(self.model_name, alias, str(version))
+            self._write_alias(alias, str(version))
+
+    def _write_alias(self, alias: str, version: str, attempts: int = 3) -> None:
+        """Two writers may set one alias at once (an engine and a retrain job bootstrapping): the
+        SQL store's upsert then fails one of them on the alias key; a retry overwrites cleanly."""
+        for attempt in range(attempts):
+            try:
+                self.client.set_registered_model_alias(self.model_name, alias, version)
+                return
+            except Exception:  # noqa: BLE001 - re-raised on the last attempt, wrapped by _guard
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
 
     def delete_alias(self, alias: str) -> None:
         from mlflow.exceptions import MlflowException
