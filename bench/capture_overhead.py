@@ -59,8 +59,8 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while not _tcp_ready(port) and time.monotonic() < deadline:
             time.sleep(0.2)
-        cfg = load_config(overrides={"capture": {"enabled": True, "bootstrap_servers": f"127.0.0.1:{port}",
-                                                 "sample_fraction": 1.0}})
+        cfg = load_config(overrides={"capture": {"enabled": True, "sample_fraction": 1.0},
+                                     "kafka": {"bootstrap_servers": f"127.0.0.1:{port}"}})
         target, tok, _ = load_target(cfg)
         drafter = load_drafter(static_drafter_path(cfg), TargetSpec(target.shape.hidden_size,
                                                                     target.shape.vocab_size, target.aux_layer_ids))
@@ -69,7 +69,7 @@ def main() -> int:
         engine = ReferenceEngine(target, tok, drafter, "static", target_model_id=cfg.model.model_id,
                                  draft_len=cfg.spec.draft_len, max_batch_size=args.requests,
                                  max_seq_len=cfg.model.max_seq_len)
-        tap = CaptureTap(cfg.capture)
+        tap = CaptureTap(cfg.capture, cfg.kafka)
         on, off = [], []
         try:
             run_round(engine, prompts[:2], 8)  # warm-up

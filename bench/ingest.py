@@ -111,14 +111,14 @@ def worker_consume(args: argparse.Namespace) -> dict:
 
 def worker_ingest(args: argparse.Namespace) -> dict:
     from tide import metrics
-    from tide.config import IngestConfig
+    from tide.config import IngestConfig, KafkaConfig
     from tide.dataset.ingest import Ingestor
 
-    config = IngestConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic,
-                          dead_letter_topic=args.topic + ".dead-letter",
-                          group_id=f"bench-{uuid.uuid4().hex[:8]}", metrics_port=0)
+    config = IngestConfig(group_id=f"bench-{uuid.uuid4().hex[:8]}", metrics_port=0)
+    kafka = KafkaConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic,
+                        dead_letter_topic=args.topic + ".dead-letter")
     sys.setswitchinterval(config.switch_interval_s)  # as tide/services/ingest.py does
-    ingestor = Ingestor(config, args.data_dir)
+    ingestor = Ingestor(config, kafka, args.data_dir)
     ingestor.open()
     idle_rss = _peak_rss_mib()
     first = None
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.report import print_table, write_json
     from tide import broker
-    from tide.config import IngestConfig
+    from tide.config import IngestConfig, KafkaConfig
     from tide.dataset.ingest import ensure_topics
 
     with tempfile.TemporaryDirectory(prefix="tide-bench-ingest-") as tmp:
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             bootstrap = stack.bootstrap_servers
         try:
             topic = f"tide.bench.{uuid.uuid4().hex[:8]}"
-            ensure_topics(IngestConfig(bootstrap_servers=bootstrap, topic=topic,
-                                       dead_letter_topic=topic + ".dead-letter"))
+            ensure_topics(IngestConfig(), KafkaConfig(bootstrap_servers=bootstrap, topic=topic,
+                                                      dead_letter_topic=topic + ".dead-letter"))
             t = time.perf_counter()
             messages, nbytes = produce_backlog(bootstrap, topic, int(args.backlog_mb * 1e6))
             produce_s = time.perf_counter() - t

@@ -3,8 +3,9 @@
 Loading steps:
 1. start from the dataclass defaults (embedded defaults: the local loop runs with no file);
 2. overlay a YAML file (top-level keys are component sections, e.g. ``engine:``);
-3. overlay environment variables ``TIDE_<SECTION>__<FIELD>`` (e.g. ``TIDE_CAPTURE__BOOTSTRAP_SERVERS``);
-4. reject unknown sections and keys with an error naming them, coerce values to the field's type.
+3. overlay environment variables ``TIDE_<SECTION>__<FIELD>`` (e.g. ``TIDE_KAFKA__BOOTSTRAP_SERVERS``);
+4. reject unknown sections and keys with an error naming them (a key that moved to another
+   section names its new place, see ``MOVED_KEYS``), coerce values to the field's type.
 
 This module imports nothing else from ``tide`` so every component can depend on it.
 """
@@ -85,12 +86,23 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class KafkaConfig:
+    """The Kafka address and topics, one section shared by capture and ingest.
+
+    Rule: the engine's capture produces to ``topic``; ingest consumes ``topic`` and sends what it
+    cannot store to ``dead_letter_topic``. Both read this one section, so they cannot disagree.
+    """
+
+    bootstrap_servers: str = "127.0.0.1:9092"  # comma-separated host:port list
+    topic: str = "tide.hidden-states"
+    dead_letter_topic: str = "tide.hidden-states.dead-letter"
+
+
+@dataclass(frozen=True)
 class CaptureConfig:
-    """Hidden-state capture (engine side) and its Kafka producer."""
+    """Hidden-state capture (engine side) and its Kafka producer (address and topic: ``kafka``)."""
 
     enabled: bool = False
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic: str = "tide.hidden-states"
     queue_max_items: int = 256
     sample_fraction: float = 1.0
     max_tokens_per_request: int = 2048
@@ -115,11 +127,10 @@ class CaptureConfig:
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """Kafka -> Parquet ingest service, the dataset it writes, and that dataset's retention."""
+    """Kafka -> Parquet ingest service, the dataset it writes, and that dataset's retention.
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    topic: str = "tide.hidden-states"
-    dead_letter_topic: str = "tide.hidden-states.dead-letter"
+    Address and topics are the ``kafka`` section's; how ingest creates those topics is set here."""
+
     group_id: str = "tide-ingest"
     create_topics: bool = True  # create both topics at start if missing
     topic_partitions: int = 4
@@ -294,6 +305,7 @@ class TideConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -309,6 +321,17 @@ class TideConfig:
 
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names it."""
+
+
+# keys that moved: a file or environment still setting the old key is an error naming the new one
+# (silently ignoring it could point the engine and ingest at different topics)
+MOVED_KEYS: dict[str, str] = {
+    "capture.bootstrap_servers": "kafka.bootstrap_servers",
+    "capture.topic": "kafka.topic",
+    "ingest.bootstrap_servers": "kafka.bootstrap_servers",
+    "ingest.topic": "kafka.topic",
+    "ingest.dead_letter_topic": "kafka.dead_letter_topic",
+}
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -353,6 +376,15 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
+    section = where.partition(".")[2]  # "config.capture" -> "capture"
+    moved = []
+    for k in unknown:
+        new = MOVED_KEYS.get(f"{section}.{k}")
+        if new:
+            env_name = "TIDE_" + new.upper().replace(".", "__")
+            moved.append(f"{where}.{k} moved to {new} (environment: {env_name})")
+    if moved:
+        raise ConfigError("; ".join(moved) + "; one kafka section is shared by capture and ingest")
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
     kwargs = {}

@@ -154,8 +154,9 @@ class Stack:
         cfg = {
             "home": str(home),
             "server": {"port": ports["engine"], "control_token": token},
-            "capture": {"enabled": True, "bootstrap_servers": bootstrap},
-            "ingest": {"bootstrap_servers": bootstrap, "data_dir": data_dir, "metrics_port": ports["ingest"]},
+            "kafka": {"bootstrap_servers": bootstrap},  # engine capture and ingest share it
+            "capture": {"enabled": True},
+            "ingest": {"data_dir": data_dir, "metrics_port": ports["ingest"]},
             # the stack owns its retrains: one left running would report to a stopped MLflow
             # (and, in the demo, compete with the controlled comparison for the CPU)
             "schedule": {"metrics_port": ports["scheduler"], "cancel_on_stop": True},

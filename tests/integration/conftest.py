@@ -95,12 +95,12 @@ def request_steps(rid: str, prompt_len: int, decode_steps: int, hidden: int, wor
 class IngestThread:
     """An Ingestor running in a background thread (same code path as the service)."""
 
-    def __init__(self, config, data_dir):
+    def __init__(self, config, kafka, data_dir):
         import threading
 
         from tide.dataset.ingest import Ingestor
 
-        self.ingestor = Ingestor(config, data_dir)
+        self.ingestor = Ingestor(config, kafka, data_dir)
         self.stop = threading.Event()
         self.error = None
         self.thread = threading.Thread(target=self._run, daemon=True)

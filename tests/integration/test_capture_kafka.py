@@ -12,7 +12,7 @@ import torch
 
 from tide import metrics
 from tide.capture import CaptureTap
-from tide.config import CaptureConfig, IngestConfig
+from tide.config import CaptureConfig, IngestConfig, KafkaConfig
 from tide.dataset import DatasetIndex, DatasetReader
 from tide.dataset.ingest import ensure_topics
 
@@ -52,13 +52,12 @@ def _expected(steps: list, dtype: torch.dtype):
 def test_requests_arrive_in_parquet_bit_identical(memory_broker, topic_name, tmp_path, capture_kit,
                                                   wait, hidden_dtype, n_requests):
     bs = memory_broker.bootstrap_servers
-    icfg = IngestConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl",
-                        roll_interval_s=1.0, file_max_rows=16, row_group_rows=4, metrics_port=0)
-    ensure_topics(icfg)
+    kafka = KafkaConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl")
+    icfg = IngestConfig(roll_interval_s=1.0, file_max_rows=16, row_group_rows=4, metrics_port=0)
+    ensure_topics(icfg, kafka)
     # 60 kB messages: requests over ~110 positions (H=64, bf16) travel as several chunks
-    tap = CaptureTap(CaptureConfig(enabled=True, bootstrap_servers=bs, topic=topic_name,
-                                   max_message_bytes=60_000, queue_max_items=10_000,
-                                   hidden_dtype=hidden_dtype))
+    tap = CaptureTap(CaptureConfig(enabled=True, max_message_bytes=60_000, queue_max_items=10_000,
+                                   hidden_dtype=hidden_dtype), kafka)
     rng = random.Random(7)
     requests = [capture_kit.request_steps(f"req-{i}", rng.randint(3, 120), rng.randint(1, 90), H,
                                           workload=rng.choice([None, "code", "chat"]), seed=i)
@@ -71,7 +70,7 @@ def test_requests_arrive_in_parquet_bit_identical(memory_broker, topic_name, tmp
 
     data_dir = tmp_path / "data"
     reader = DatasetReader(data_dir)
-    with capture_kit.IngestThread(icfg, data_dir):
+    with capture_kit.IngestThread(icfg, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["requests"] >= n_requests, 60,
              what="all requests in Parquet")
         time.sleep(1.5)  # a roll interval more: nothing extra may appear
@@ -100,14 +99,14 @@ def test_broker_outage_never_blocks_capture_and_capture_resumes(durable_broker, 
                                                                 tmp_path, capture_kit, wait):
     """Durable broker killed for BROKER_DOWN_S while a decode loop keeps offering."""
     bs = durable_broker.bootstrap_servers
-    icfg = IngestConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl",
-                        roll_interval_s=1.0, metrics_port=0, topic_partitions=2)
-    ensure_topics(icfg)
+    kafka = KafkaConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl")
+    icfg = IngestConfig(roll_interval_s=1.0, metrics_port=0, topic_partitions=2)
+    ensure_topics(icfg, kafka)
     # a small producer buffer (~30 records) so the outage overflows it: drops must be counted, not blocked on
     tap = CaptureTap(CaptureConfig(
-        enabled=True, bootstrap_servers=bs, topic=topic_name, queue_max_items=50_000,
+        enabled=True, queue_max_items=50_000,
         producer_buffer_bytes=400_000, delivery_timeout_s=120.0, request_timeout_s=5.0,
-        connect_timeout_s=1.0, reconnect_backoff_s=1.0))
+        connect_timeout_s=1.0, reconnect_backoff_s=1.0), kafka)
     steps_per_s = 100.0
 
     def decode_loop(prefix: str, duration_s: float, latencies: list[float]) -> list[str]:
@@ -166,7 +165,7 @@ def test_broker_outage_never_blocks_capture_and_capture_resumes(durable_broker, 
     assert max(during_lat) < 0.05
 
     data_dir = tmp_path / "data"
-    with capture_kit.IngestThread(icfg, data_dir):
+    with capture_kit.IngestThread(icfg, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["requests"] >= produced, 90,
              what="acknowledged records in Parquet")
         time.sleep(2.0)

@@ -6,7 +6,7 @@ import time
 import torch
 
 from tide.capture.tap import CaptureTap
-from tide.config import CaptureConfig, IngestConfig
+from tide.config import CaptureConfig, IngestConfig, KafkaConfig
 from tide.dataset import DatasetIndex, DatasetReader
 from tide.dataset.ingest import ensure_topics
 from tide.engine.base import GenerationRequest, SamplingParams
@@ -34,7 +34,8 @@ def test_engine_requests_land_in_parquet_bit_identical(memory_broker, topic_name
     engine = ReferenceEngine(target, None, drafter, "v1", target_model_id="tiny-test", draft_len=3,
                              max_batch_size=4, max_seq_len=256)
     bs = memory_broker.bootstrap_servers
-    tap = CaptureTap(CaptureConfig(enabled=True, bootstrap_servers=bs, topic=topic_name, queue_max_items=10_000))
+    kafka = KafkaConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl")
+    tap = CaptureTap(CaptureConfig(enabled=True, queue_max_items=10_000), kafka)
     tee = Tee(tap)
     engine.set_capture_sink(tee)
     n = 12
@@ -53,11 +54,10 @@ def test_engine_requests_land_in_parquet_bit_identical(memory_broker, topic_name
     engine.close()
     tap.close(timeout_s=30)
 
-    icfg = IngestConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl",
-                        roll_interval_s=1.0, metrics_port=0)
-    ensure_topics(icfg)
+    icfg = IngestConfig(roll_interval_s=1.0, metrics_port=0)
+    ensure_topics(icfg, kafka)
     data_dir = tmp_path / "data"
-    with capture_kit.IngestThread(icfg, data_dir):
+    with capture_kit.IngestThread(icfg, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["requests"] >= n - 1, 60, what="requests in Parquet")
         time.sleep(1.5)
     reader = DatasetReader(data_dir)

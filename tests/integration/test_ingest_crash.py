@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from tide.config import IngestConfig
+from tide.config import IngestConfig, KafkaConfig
 from tide.dataset.ingest import ensure_topics
 from tide.dataset.schema import list_files
 from tide.records import Record, encode, split
@@ -91,11 +91,11 @@ def test_sigkill_five_times_no_partial_files_no_duplicates_no_loss(memory_broker
     partitions = 3
     group = topic_name + ".ingest"
     data_dir = tmp_path / "data"
-    ensure_topics(IngestConfig(bootstrap_servers=bs, topic=topic_name,
-                               dead_letter_topic=topic_name + ".dl", topic_partitions=partitions))
+    ensure_topics(IngestConfig(topic_partitions=partitions),
+                  KafkaConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl"))
     env = {**os.environ, "TIDE_HOME": str(tmp_path / "home"),
-           "TIDE_INGEST__BOOTSTRAP_SERVERS": bs, "TIDE_INGEST__TOPIC": topic_name,
-           "TIDE_INGEST__DEAD_LETTER_TOPIC": topic_name + ".dl", "TIDE_INGEST__GROUP_ID": group,
+           "TIDE_KAFKA__BOOTSTRAP_SERVERS": bs, "TIDE_KAFKA__TOPIC": topic_name,
+           "TIDE_KAFKA__DEAD_LETTER_TOPIC": topic_name + ".dl", "TIDE_INGEST__GROUP_ID": group,
            "TIDE_INGEST__TOPIC_PARTITIONS": str(partitions), "TIDE_INGEST__DATA_DIR": str(data_dir),
            # small files and frequent commits: kills land before, inside and after flushes
            "TIDE_INGEST__FILE_MAX_ROWS": "6", "TIDE_INGEST__ROW_GROUP_ROWS": "2",

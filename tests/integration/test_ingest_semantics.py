@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from tide.config import IngestConfig
+from tide.config import IngestConfig, KafkaConfig
 from tide.dataset import DatasetIndex, DatasetReader
 from tide.dataset.ingest import ensure_topics
 from tide.dataset.schema import list_files
@@ -29,10 +29,10 @@ def _record(rid: str, t: int, seed: int) -> Record:
                   aux_hidden=rng.bytes(t * 3 * H * 2), final_hidden=rng.bytes(t * H * 2))
 
 
-def _config(bs: str, topic: str, group: str) -> IngestConfig:
-    return IngestConfig(bootstrap_servers=bs, topic=topic, dead_letter_topic=topic + ".dead",
-                        group_id=group, topic_partitions=1, roll_interval_s=0.5, file_max_rows=8,
-                        max_record_bytes=200_000, metrics_port=0)
+def _config(bs: str, topic: str, group: str) -> tuple[IngestConfig, KafkaConfig]:
+    return (IngestConfig(group_id=group, topic_partitions=1, roll_interval_s=0.5, file_max_rows=8,
+                         max_record_bytes=200_000, metrics_port=0),
+            KafkaConfig(bootstrap_servers=bs, topic=topic, dead_letter_topic=topic + ".dead"))
 
 
 def _read_all(bs: str, topic: str, expected: int, timeout_s: float = 20.0) -> list:
@@ -52,8 +52,8 @@ def _read_all(bs: str, topic: str, expected: int, timeout_s: float = 20.0) -> li
 def test_malformed_unknown_version_and_oversized_are_dead_lettered(memory_broker, topic_name,
                                                                    tmp_path, capture_kit, wait):
     bs = memory_broker.bootstrap_servers
-    config = _config(bs, topic_name, topic_name + ".g1")
-    ensure_topics(config)
+    config, kafka = _config(bs, topic_name, topic_name + ".g1")
+    ensure_topics(config, kafka)
     good = [encode(_record(f"good-{i}", 20 + i, i)) for i in range(4)]
     future_version = bytearray(encode(_record("v99", 5, 9)))
     future_version[4:6] = struct.pack("<H", 99)
@@ -71,7 +71,7 @@ def test_malformed_unknown_version_and_oversized_are_dead_lettered(memory_broker
     producer.close()
 
     data_dir = tmp_path / "data"
-    with capture_kit.IngestThread(config, data_dir):
+    with capture_kit.IngestThread(config, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 4, 30, what="good rows")
     samples = {s.request_id for s in DatasetReader(data_dir).samples()}
     assert samples == {"good-0", "good-1", "good-2", "good-3"}
@@ -101,15 +101,15 @@ def test_replay_of_offsets_already_on_disk_writes_nothing_twice(memory_broker, t
     """A second consumer group over the same data dir is a crash right after rename, before any
     commit: every offset is replayed, and only what is missing on disk may be written."""
     bs = memory_broker.bootstrap_servers
-    first = _config(bs, topic_name, topic_name + ".a")
-    ensure_topics(first)
+    first, kafka = _config(bs, topic_name, topic_name + ".a")
+    ensure_topics(first, kafka)
     producer = KafkaProducer(bootstrap_servers=bs, acks="all")
     for i in range(30):
         producer.send(topic_name, key=b"k", value=encode(_record(f"r{i}", 10, i)))
     producer.flush()
     producer.close()
     data_dir = tmp_path / "data"
-    with capture_kit.IngestThread(first, data_dir):
+    with capture_kit.IngestThread(first, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 30, 30, what="first pass")
     files = list_files(data_dir)
     assert len(files) >= 3
@@ -118,8 +118,8 @@ def test_replay_of_offsets_already_on_disk_writes_nothing_twice(memory_broker, t
     lost = set(pq.read_table(victim, columns=["kafka_offset"]).column("kafka_offset").to_pylist())
     victim.unlink()
 
-    second = _config(bs, topic_name, topic_name + ".b")  # no committed offsets: replays all
-    with capture_kit.IngestThread(second, data_dir):
+    second, _ = _config(bs, topic_name, topic_name + ".b")  # no committed offsets: replays all
+    with capture_kit.IngestThread(second, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 30, 30, what="replay")
         consumer = KafkaConsumer(bootstrap_servers=bs, group_id=second.group_id)
         wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == 30, 30,
@@ -151,35 +151,35 @@ def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_bro
         producer.flush()
         producer.close()
 
-    first = _config(bs, topic_name, topic_name + ".one")
-    ensure_topics(first)
+    first, kafka = _config(bs, topic_name, topic_name + ".one")
+    ensure_topics(first, kafka)
     produce("old")
-    with capture_kit.IngestThread(first, data_dir):
+    with capture_kit.IngestThread(first, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 12, 30, what="first topic")
     old_files = set(list_files(data_dir))
 
     admin = KafkaAdminClient(bootstrap_servers=bs)
     admin.delete_topics([topic_name])
     admin.close()
-    wait(lambda: _recreate(first), 30, what="topic recreated")
+    wait(lambda: _recreate(first, kafka), 30, what="topic recreated")
     produce("new")
-    second = _config(bs, topic_name, topic_name + ".two")
-    with capture_kit.IngestThread(second, data_dir):
+    second, _ = _config(bs, topic_name, topic_name + ".two")
+    with capture_kit.IngestThread(second, kafka, data_dir):
         wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 24, 30, what="second topic")
     assert old_files <= set(list_files(data_dir))  # nothing overwritten
     ids = sorted(s.request_id for s in DatasetReader(data_dir).samples())
     assert ids == sorted([f"old-{i}" for i in range(12)] + [f"new-{i}" for i in range(12)])
 
 
-def _recreate(config: IngestConfig) -> bool:
+def _recreate(config: IngestConfig, kafka: KafkaConfig) -> bool:
     try:
-        ensure_topics(config)
+        ensure_topics(config, kafka)
     except Exception:  # deletion still in progress
         return False
-    consumer = KafkaConsumer(bootstrap_servers=config.bootstrap_servers)
+    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers)
     try:
-        tp = TopicPartition(config.topic, 0)
-        return consumer.partitions_for_topic(config.topic) is not None and \
+        tp = TopicPartition(kafka.topic, 0)
+        return consumer.partitions_for_topic(kafka.topic) is not None and \
             consumer.end_offsets([tp])[tp] == 0
     finally:
         consumer.close()
@@ -190,7 +190,7 @@ def test_health_follows_the_consume_loop(memory_broker, topic_name, tmp_path, mo
     # once the loop stops polling (stuck) although the process is up
     from tide.dataset.ingest import Ingestor
 
-    ingestor = Ingestor(_config(memory_broker.bootstrap_servers, topic_name, topic_name + ".gh"), tmp_path)
+    ingestor = Ingestor(*_config(memory_broker.bootstrap_servers, topic_name, topic_name + ".gh"), tmp_path)
     ok, details = ingestor.health()
     assert not ok and details["state"] == "connecting"
     ingestor.open()

@@ -55,3 +55,32 @@ def test_env_lists_and_maps():
                            "TIDE_SCHEDULE__K8S_NODE_SELECTOR": '{"amd.com/gpu.present": "true"}'})
     assert cfg.schedule.k8s_tolerations == ("gpu:NoSchedule", "pool=training:NoSchedule")
     assert dict(cfg.schedule.k8s_node_selector) == {"amd.com/gpu.present": "true"}
+
+
+@pytest.mark.parametrize("old,new", [
+    ("capture.bootstrap_servers", "kafka.bootstrap_servers"),
+    ("capture.topic", "kafka.topic"),
+    ("ingest.bootstrap_servers", "kafka.bootstrap_servers"),
+    ("ingest.topic", "kafka.topic"),
+    ("ingest.dead_letter_topic", "kafka.dead_letter_topic"),
+])
+def test_kafka_keys_moved_to_the_kafka_section_are_a_clear_error(tmp_path, old, new):
+    # an old per-component copy of the address or topic must not be silently ignored
+    section, key = old.split(".")
+    f = tmp_path / "c.yaml"
+    f.write_text(f"{section}:\n  {key}: x\n")
+    with pytest.raises(ConfigError, match=rf"config\.{old} moved to {new}\b"):
+        load_config(f, env={})
+    with pytest.raises(ConfigError, match=rf"moved to {new}\b"):
+        load_config(env={f"TIDE_{section.upper()}__{key.upper()}": "x"})
+
+
+def test_one_kafka_section_for_capture_and_ingest(tmp_path):
+    cfg = load_config(env={})
+    assert (cfg.kafka.bootstrap_servers, cfg.kafka.topic, cfg.kafka.dead_letter_topic) == (
+        "127.0.0.1:9092", "tide.hidden-states", "tide.hidden-states.dead-letter")
+    f = tmp_path / "c.yaml"
+    f.write_text("kafka:\n  bootstrap_servers: k1:9092,k2:9092\n  topic: t\n")
+    cfg = load_config(f, env={"TIDE_KAFKA__DEAD_LETTER_TOPIC": "t.dlq"})
+    assert (cfg.kafka.bootstrap_servers, cfg.kafka.topic, cfg.kafka.dead_letter_topic) == (
+        "k1:9092,k2:9092", "t", "t.dlq")

@@ -237,3 +237,10 @@ def test_dockerfile_installs_the_wheel_and_its_runtime_stage_has_no_compiler():
     copied = re.findall(r"^COPY --from=build .*?(/\S+) (/\S+)$", runtime, re.M)
     assert ("/opt/venv", "/opt/venv") in copied and ("/var/lib/tide", "/var/lib/tide") in copied
     assert re.search(r"TIDE_HOME=/var/lib/tide", runtime)  # where rowkernel looks for the built .so
+
+
+def test_engine_and_ingest_share_the_configmap_kafka_section(tmp_path):
+    # one address and topic for capture (engine) and ingest: the old per-component copies are gone
+    cfg = _config(tmp_path)
+    assert cfg.capture.enabled and cfg.kafka.bootstrap_servers == "kafka.tide.svc:9092"
+    assert cfg.kafka.topic != cfg.kafka.dead_letter_topic

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from tide import metrics
 from tide.capture.assembler import GapError, PendingRequest, build_record
-from tide.config import CaptureConfig
+from tide.config import CaptureConfig, KafkaConfig
 from tide.engine.base import StepCapture
 from tide.records import RecordError, encode, split
 
@@ -35,12 +35,12 @@ log = logging.getLogger(__name__)
 _DISCARDED_MEMORY = 4096  # abandoned request ids remembered to ignore their straggling steps
 
 
-def kafka_client(config: CaptureConfig) -> Any:
+def kafka_client(config: CaptureConfig, kafka: KafkaConfig) -> Any:
     """A kafka-python producer configured for capture (imported lazily: tests may swap it)."""
     from kafka import KafkaProducer
 
     return KafkaProducer(
-        bootstrap_servers=config.bootstrap_servers.split(","), acks="all",
+        bootstrap_servers=kafka.bootstrap_servers.split(","), acks="all",
         enable_idempotence=True, compression_type=config.compression or None,
         linger_ms=config.linger_ms, batch_size=config.batch_bytes,
         max_request_size=max(config.max_message_bytes + 64 * 1024, config.batch_bytes),
@@ -79,10 +79,13 @@ class _Delivery:
 
 
 class CaptureProducer:
-    def __init__(self, config: CaptureConfig, source: "queue.Queue[StepCapture]",
-                 aborted: "deque[str]", client_factory: Callable[[CaptureConfig], Any] = kafka_client
-                 ) -> None:
+    """Sends completed requests to ``kafka.topic`` (see the module's steps)."""
+
+    def __init__(self, config: CaptureConfig, kafka: KafkaConfig, source: "queue.Queue[StepCapture]",
+                 aborted: "deque[str]",
+                 client_factory: Callable[[CaptureConfig, KafkaConfig], Any] = kafka_client) -> None:
         self.config = config
+        self.kafka = kafka
         self._source = source
         self._aborted = aborted
         self._client_factory = client_factory
@@ -178,10 +181,10 @@ class CaptureProducer:
             return False
         self._next_connect_s = now + self.config.reconnect_backoff_s
         try:
-            self._client = self._client_factory(self.config)
+            self._client = self._client_factory(self.config, self.kafka)
         except Exception as exc:
             log.warning("capture: cannot reach broker %s (%s); retrying in %.0f s",
-                        self.config.bootstrap_servers, exc, self.config.reconnect_backoff_s)
+                        self.kafka.bootstrap_servers, exc, self.config.reconnect_backoff_s)
             metrics.CAPTURE_BROKER_UP.set(0)
             return False
         metrics.CAPTURE_BROKER_UP.set(1)
@@ -209,7 +212,7 @@ class CaptureProducer:
             with self._ack_lock:
                 self._unacked_bytes += len(value)
             try:
-                future = self._client.send(self.config.topic, key=key, value=value)
+                future = self._client.send(self.kafka.topic, key=key, value=value)
             except Exception as exc:  # KafkaTimeoutError: no metadata within max_block_ms
                 delivery.error(len(value), exc)
                 if type(exc).__name__ != "KafkaTimeoutError":

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from tide import metrics
 from tide.capture.producer import CaptureProducer, kafka_client
 from tide.capture.sampling import SamplingPolicy
-from tide.config import CaptureConfig
+from tide.config import CaptureConfig, KafkaConfig
 from tide.engine.base import StepCapture
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ _SAMPLED, _TOKENS, _BROKEN = 0, 1, 2
 class CaptureTap:
     """Bounded, non-blocking capture sink with sampling; owns the producer thread."""
 
-    def __init__(self, config: CaptureConfig,
-                 client_factory: Callable[[CaptureConfig], Any] = kafka_client,
+    def __init__(self, config: CaptureConfig, kafka: KafkaConfig,
+                 client_factory: Callable[[CaptureConfig, KafkaConfig], Any] = kafka_client,
                  start: bool = True) -> None:
         self.config = config
         self.policy = SamplingPolicy(config.sample_fraction, dict(config.workload_fractions))
@@ -41,7 +41,7 @@ class CaptureTap:
         # the engine may never report some requests finished (crash, cancel): bound the state
         self._max_tracked = 4 * config.max_open_requests
         self._closed = False
-        self.producer = CaptureProducer(config, self._queue, self._aborted, client_factory)
+        self.producer = CaptureProducer(config, kafka, self._queue, self._aborted, client_factory)
         if start:
             self.producer.start()
 

@@ -40,7 +40,7 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
 from kafka.structs import OffsetAndMetadata
 
 from tide import metrics
-from tide.config import IngestConfig
+from tide.config import IngestConfig, KafkaConfig
 from tide.dataset.index import DatasetIndex
 from tide.dataset.retention import apply_retention
 from tide.dataset.schema import Row, partition_dir
@@ -51,26 +51,26 @@ from tide.records import RecordError, decode
 log = logging.getLogger(__name__)
 
 
-def wanted_topics(config: IngestConfig) -> list:
-    """The data and dead-letter topics as ingest creates them (NewTopic specs)."""
+def wanted_topics(config: IngestConfig, kafka: KafkaConfig) -> list:
+    """The data and dead-letter topics (named by ``kafka``) as ingest creates them (NewTopic specs)."""
     from kafka.admin import NewTopic
 
     topic_configs = {"retention.ms": str(config.topic_retention_ms)} if config.topic_retention_ms else {}
-    return [NewTopic(config.topic, config.topic_partitions, config.replication_factor, topic_configs=topic_configs),
-            NewTopic(config.dead_letter_topic, 1, config.replication_factor, topic_configs=topic_configs)]
+    return [NewTopic(kafka.topic, config.topic_partitions, config.replication_factor, topic_configs=topic_configs),
+            NewTopic(kafka.dead_letter_topic, 1, config.replication_factor, topic_configs=topic_configs)]
 
 
-def ensure_topics(config: IngestConfig) -> None:
+def ensure_topics(config: IngestConfig, kafka: KafkaConfig) -> None:
     """Create the data and dead-letter topics if missing (explicitly: auto-created topics get
     whatever partition count and retention the broker likes)."""
     from kafka import KafkaAdminClient
     from kafka.errors import TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=config.bootstrap_servers.split(","),
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers.split(","),
                              client_id="tide-ingest-admin")
     try:
         existing = set(admin.list_topics())
-        missing = [t for t in wanted_topics(config) if t.name not in existing]
+        missing = [t for t in wanted_topics(config, kafka) if t.name not in existing]
         if missing:
             try:
                 admin.create_topics(missing)
@@ -115,10 +115,11 @@ class _Seal:
 
 
 class Ingestor:
-    """Consumes ``config.topic`` into ``data_dir``; ``run`` until the stop event is set."""
+    """Consumes ``kafka.topic`` into ``data_dir``; ``run`` until the stop event is set."""
 
-    def __init__(self, config: IngestConfig, data_dir: str | Path) -> None:
+    def __init__(self, config: IngestConfig, kafka: KafkaConfig, data_dir: str | Path) -> None:
         self.config = config
+        self.kafka = kafka
         self.data_dir = Path(data_dir)
         self.index: DatasetIndex | None = None
         self._writer: WriterThread | None = None
@@ -144,19 +145,19 @@ class Ingestor:
         # not with the first row group
         pa.array(["warm-up"], pa.string())
         if self.config.create_topics:
-            ensure_topics(self.config)
-        c = self.config
+            ensure_topics(self.config, self.kafka)
+        c, k = self.config, self.kafka
         self._dead_letters = KafkaProducer(
-            bootstrap_servers=c.bootstrap_servers.split(","), acks="all", enable_idempotence=True,
+            bootstrap_servers=k.bootstrap_servers.split(","), acks="all", enable_idempotence=True,
             compression_type="zstd", linger_ms=5, client_id="tide-ingest-dead-letter",
             max_request_size=c.dead_letter_max_bytes + 64 * 1024)
         self._consumer = KafkaConsumer(
-            bootstrap_servers=c.bootstrap_servers.split(","), group_id=c.group_id,
+            bootstrap_servers=k.bootstrap_servers.split(","), group_id=c.group_id,
             client_id="tide-ingest", enable_auto_commit=False, auto_offset_reset="earliest",
             session_timeout_ms=c.session_timeout_ms, heartbeat_interval_ms=c.heartbeat_interval_ms,
             max_poll_records=c.max_poll_records, fetch_max_bytes=c.fetch_max_bytes,
             max_partition_fetch_bytes=c.max_partition_fetch_bytes)
-        self._consumer.subscribe([c.topic], listener=_Rebalance(self))
+        self._consumer.subscribe([k.topic], listener=_Rebalance(self))
         self._update_dataset_gauges()
 
     def run(self, stop: threading.Event) -> None:
@@ -274,7 +275,7 @@ class Ingestor:
             value = value[:self.config.dead_letter_max_bytes]
         log.warning("ingest: dead-lettering %s-%d@%d: %s (%s)", message.topic, message.partition,
                     message.offset, reason, detail)
-        self._dead_letters.send(self.config.dead_letter_topic, key=message.key, value=value,
+        self._dead_letters.send(self.kafka.dead_letter_topic, key=message.key, value=value,
                                 headers=headers)
         metrics.INGEST_MESSAGES.labels("dead_lettered").inc()
         metrics.INGEST_DEAD_LETTERED.labels(reason).inc()

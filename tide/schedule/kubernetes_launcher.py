@@ -58,7 +58,7 @@ def job_env(cfg: Any) -> dict[str, str]:
     """Environment for the job's container from the whole TideConfig: bootstrap servers, every
     section's ``tracking_uri``, the mounted dataset's path, then ``schedule.k8s_env`` on top."""
     sc = cfg.schedule
-    env = {"TIDE_INGEST__BOOTSTRAP_SERVERS": cfg.ingest.bootstrap_servers}
+    env = {"TIDE_KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers}
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if dataclasses.is_dataclass(section) and getattr(section, "tracking_uri", ""):

@@ -22,13 +22,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
     parser.add_argument("--host", help="override server.host")
     parser.add_argument("--port", type=int, help="override server.port")
+    parser.add_argument("--bootstrap-servers", help="override kafka.bootstrap_servers (capture's broker)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("engine", args.config, {"server": {"host": args.host, "port": args.port}},
+    started = service.start("engine", args.config, {"server": {"host": args.host, "port": args.port},
+                                                    "kafka": {"bootstrap_servers": args.bootstrap_servers}},
                             args.log_level)
     if started is None:
         return 2
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.capture.enabled:
         from tide.capture.tap import CaptureTap
 
-        tap = CaptureTap(cfg.capture)
+        tap = CaptureTap(cfg.capture, cfg.kafka)
         engine.set_capture_sink(tap)
     follower = None
     try:

@@ -21,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tide.services.ingest",
                                      description="TIDE ingest: Kafka → Parquet dataset")
     parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
-    parser.add_argument("--bootstrap-servers", help="override ingest.bootstrap_servers")
+    parser.add_argument("--bootstrap-servers", help="override kafka.bootstrap_servers")
     parser.add_argument("--data-dir", help="override ingest.data_dir")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -29,8 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("ingest", args.config, {"ingest": {"bootstrap_servers": args.bootstrap_servers,
-                                                               "data_dir": args.data_dir}}, args.log_level)
+    started = service.start("ingest", args.config, {"kafka": {"bootstrap_servers": args.bootstrap_servers},
+                                                    "ingest": {"data_dir": args.data_dir}}, args.log_level)
     if started is None:
         return 2
     cfg, stop = started
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     icfg = cfg.ingest
     sys.setswitchinterval(icfg.switch_interval_s)
     data_dir = icfg.data_dir or str(cfg.home_path / "dataset")
-    ingestor = Ingestor(icfg, data_dir)
+    ingestor = Ingestor(icfg, cfg.kafka, data_dir)
     http = HealthServer(icfg.metrics_host, icfg.metrics_port, ingestor.health).start() if icfg.metrics_port else None
     try:
         while not stop.is_set():
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 ingestor.last_error = str(exc)
                 stop.wait(2.0)
         if not stop.is_set():
-            log.info("ingesting %s from %s into %s", icfg.topic, icfg.bootstrap_servers, data_dir)
+            log.info("ingesting %s from %s into %s", cfg.kafka.topic, cfg.kafka.bootstrap_servers, data_dir)
             ingestor.run(stop)
     finally:
         ingestor.close()

@@ -5,7 +5,7 @@ import torch
 
 from tide import metrics
 from tide.capture.tap import CaptureTap
-from tide.config import CaptureConfig
+from tide.config import CaptureConfig, KafkaConfig
 from tide.engine.base import CaptureMeta, StepCapture
 
 torch.set_num_threads(1)
@@ -26,7 +26,7 @@ def counter(c, *labels):
 
 
 def test_full_queue_drops_without_blocking_and_marks_the_request_broken():
-    tap = CaptureTap(CaptureConfig(queue_max_items=5), start=False)  # nobody drains the queue
+    tap = CaptureTap(CaptureConfig(queue_max_items=5), KafkaConfig(), start=False)  # nobody drains the queue
     before = counter(metrics.CAPTURE_DROPPED_STEPS, "queue_full")
     worst = 0.0
     for s in steps_for("a", 20):
@@ -42,7 +42,7 @@ def test_full_queue_drops_without_blocking_and_marks_the_request_broken():
 
 def test_sampling_and_token_budget_limit_what_is_enqueued():
     tap = CaptureTap(CaptureConfig(queue_max_items=1000, max_tokens_per_request=5,
-                                   workload_fractions={"skip": 0.0}), start=False)
+                                   workload_fractions={"skip": 0.0}), KafkaConfig(), start=False)
     for s in steps_for("b", 10):  # 2 prompt + 10 generated; budget 5 -> 4 steps (2+1+1+1)
         tap.offer([s])
     assert tap.queue_depth == 4
@@ -53,16 +53,15 @@ def test_sampling_and_token_budget_limit_what_is_enqueued():
 
 
 def test_offer_swallows_errors():
-    tap = CaptureTap(CaptureConfig(), start=False)
+    tap = CaptureTap(CaptureConfig(), KafkaConfig(), start=False)
     before = counter(metrics.CAPTURE_DROPPED_STEPS, "tap_error")
     tap.offer([object()])  # not a StepCapture: must not raise into the engine
     assert counter(metrics.CAPTURE_DROPPED_STEPS, "tap_error") - before == 1
 
 
 def test_close_without_broker_returns_within_the_limit():
-    cfg = CaptureConfig(bootstrap_servers="127.0.0.1:1", connect_timeout_s=0.2,
-                        reconnect_backoff_s=0.2)
-    tap = CaptureTap(cfg)
+    cfg = CaptureConfig(connect_timeout_s=0.2, reconnect_backoff_s=0.2)
+    tap = CaptureTap(cfg, KafkaConfig(bootstrap_servers="127.0.0.1:1"))
     before = counter(metrics.CAPTURE_DROPPED_RECORDS, "broker_unavailable")
     for s in steps_for("d", 3):
         tap.offer([s])

@@ -90,10 +90,11 @@ def test_cpu_only_job_has_no_gpu_and_no_optional_fields():
 
 def test_job_env_carries_bootstrap_servers_dataset_and_overrides():
     cfg = load_config(env={}, overrides={
-        "ingest": {"bootstrap_servers": "kafka:9092"},
+        "kafka": {"bootstrap_servers": "kafka:9092"},
         "schedule": {"k8s_data_pvc": "ds", "k8s_env": {"TIDE_HOME": "/cache", "A": "1"}}})
     env = job_env(cfg)
-    assert env["TIDE_INGEST__BOOTSTRAP_SERVERS"] == "kafka:9092"
+    assert env["TIDE_KAFKA__BOOTSTRAP_SERVERS"] == "kafka:9092"
+    assert load_config(env=env).kafka.bootstrap_servers == "kafka:9092"  # a name config reads
     assert env["TIDE_INGEST__DATA_DIR"] == "/data/dataset"
     assert env["TIDE_HOME"] == "/cache" and env["A"] == "1"
 
