@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 
 from tide.config import load_config
 from tide.contracts import (
-    ARTIFACT_PATH,
     CHALLENGER,
     CHAMPION,
     PREVIOUS_CHAMPION,
@@ -43,7 +42,7 @@ from tide.ops.control_api import control_plane
 from tide.ops.follower import DrafterFollower
 from tide.ops.inventory import live_acceptance_from_metrics
 from tide.ops.promotion import maybe_auto_promote
-from tide.registry import DrafterArtifact, Registry, folder_digest
+from tide.registry import ARTIFACT_PATH, DrafterArtifact, Registry, folder_digest
 from tide.spec.generate import generate
 from tide.train.offline import generate_samples, new_drafter
 from tide.train.trainer import train
