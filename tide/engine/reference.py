@@ -32,6 +32,7 @@ from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step
 
 log = logging.getLogger(__name__)
 _DONE = object()
+GREEDY_TEMPERATURE = 1e-5  # the server's threshold too (tide/engine/openai_api.py)
 
 
 @dataclass
@@ -45,6 +46,41 @@ class _Running:
     generated: int = 0
     refeed: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class _Events:
+    """A caller's iterator over one request's TokenEvents.
+
+    ``close()`` (reader done) and ``cancel()`` (thread-safe, from anywhere) mark the request
+    cancelled: the decode loop drops it at its next step, or before its prefill while it waits
+    in the inbox. ``cancel()`` also wakes a reader blocked waiting for the next event.
+    """
+
+    def __init__(self, running: _Running) -> None:
+        self._r = running
+        self._done = False
+
+    def __iter__(self) -> "_Events":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self._done:
+            raise StopIteration
+        ev = self._r.out.get()
+        if ev is _DONE:
+            self.close()
+            raise StopIteration
+        if ev.finished:
+            self.close()
+        return ev
+
+    def cancel(self) -> None:
+        self._r.cancelled.set()
+        self._r.out.put(_DONE)
+
+    def close(self) -> None:
+        self._done = True
+        self._r.cancelled.set()
 
 
 class ReferenceEngine:
@@ -100,9 +136,14 @@ class ReferenceEngine:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens "
                              f"({request.sampling.max_new_tokens}) must be in 1..{self.max_seq_len}")
         gen = torch.Generator().manual_seed(request.sampling.seed) if request.sampling.seed is not None else None
+        sp = request.sampling
+        # below GREEDY_TEMPERATURE logits / temperature overflows; the distribution is one-hot anyway
+        temperature = sp.temperature if sp.temperature >= GREEDY_TEMPERATURE else 0.0
+        if temperature != temperature:  # NaN: the server refuses it; a direct caller gets told too
+            raise ValueError("temperature must be a finite number")
         row = RowInput(slot=-1, t_len=0, pending=-1, feed_start=0, feed_tokens=torch.empty(0),
-                       feed_aux=torch.empty(0), temperature=request.sampling.temperature,
-                       top_p=request.sampling.top_p, generator=gen)
+                       feed_aux=torch.empty(0), temperature=temperature,
+                       top_p=sp.top_p, generator=gen, top_k=sp.top_k)
         meta = CaptureMeta(request_id=request.request_id, target_model_id=self.target_model_id,
                            drafter_version=self._version, aux_layer_ids=self.target.aux_layer_ids,
                            workload=request.workload, prompt_len=len(request.prompt_ids),
@@ -136,15 +177,8 @@ class ReferenceEngine:
         self._thread.join(timeout=30)
 
     # --- internals --------------------------------------------------------------------------
-    def _stream(self, running: _Running) -> Iterator[TokenEvent]:
-        try:
-            while True:
-                ev = running.out.get()
-                yield ev
-                if ev.finished:
-                    return
-        finally:
-            running.cancelled.set()
+    def _stream(self, running: _Running) -> "_Events":
+        return _Events(running)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -198,7 +232,8 @@ class ReferenceEngine:
                 running = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if running.cancelled.is_set():
+            if running.cancelled.is_set():  # its client left while it waited: never prefilled
+                metrics.ENGINE_REQUESTS.labels("cancelled").inc()
                 continue
             slot = free.pop(0)
             running.row.slot = slot
@@ -216,8 +251,8 @@ class ReferenceEngine:
         out = prefill(self.target, self._tcache, slot, prompt)
         logits = out.logits[0, -1]
         if r.row.temperature > 0:
-            first = int(torch.multinomial(filtered_probs(logits, r.row.temperature, r.row.top_p), 1,
-                                          generator=r.row.generator))
+            first = int(torch.multinomial(filtered_probs(logits, r.row.temperature, r.row.top_p,
+                                                         r.row.top_k), 1, generator=r.row.generator))
         else:
             first = int(logits.argmax())
         r.meta = CaptureMeta(**{**r.meta.__dict__, "drafter_version": self._version})
@@ -304,7 +339,7 @@ class ReferenceEngine:
     def _emit(self, slot: int, tokens: list[int]) -> None:
         r = self._running[slot]
         sp = r.req.sampling
-        stops = set(sp.stop_token_ids) | set(self.eos_ids)
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
         out, reason = [], None
         for t in tokens:
             out.append(t)
