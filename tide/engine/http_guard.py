@@ -75,25 +75,37 @@ class HttpGuard:
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await _send_json(send, 413, self._too_large(f"{declared} bytes").body(), {"Connection": "close"})
             return
-        await self.app(scope, self._capped(receive), send)
+        await self._capped(scope, receive, send)
 
     def _too_large(self, size: str) -> api.APIError:
         return api.APIError(413, f"request body of {size} exceeds {self.max_body_bytes} bytes")
 
-    def _capped(self, receive: Any) -> Any:
-        received = 0
+    async def _capped(self, scope: Any, receive: Any, send: Any) -> None:
+        """Run the app; once the body passes the cap, answer 413 here and tell the app the client
+        left (frameworks turn errors raised while reading a body into their own 400s)."""
+        received, started, refused = 0, False, False
 
         async def capped_receive() -> Any:
-            nonlocal received
+            nonlocal received, refused
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    # raised inside the route's body read: the APIError handler answers 413
-                    raise self._too_large(f"more than {self.max_body_bytes} bytes")
+                    if not started and not refused:
+                        refused = True
+                        await _send_json(send, 413, self._too_large(f"more than {self.max_body_bytes} bytes")
+                                         .body(), {"Connection": "close"})
+                    return {"type": "http.disconnect"}
             return message
 
-        return capped_receive
+        async def guarded_send(message: Any) -> None:
+            nonlocal started
+            if refused:  # the 413 went out already; whatever the app says now has no reader
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, capped_receive, guarded_send)
 
 
 class HttpMetrics:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -170,15 +170,23 @@ class _GenerationFields(_Strict):
             raise ValueError("workload must be 1-64 characters from [A-Za-z0-9_.:-]")
         return v
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "_GenerationFields":
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):
-            raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
-        # min_tokens would need eos masked inside verification; it is moot when eos is ignored
-        if self.min_tokens > 1 and not self.ignore_eos:
+    # cross-field checks as field validators (fields validate in declaration order), so the
+    # error names the field
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_budget(cls, v: int | None, info: ValidationInfo) -> int | None:
+        given = info.data.get("max_tokens")
+        if v is not None and given is not None and v != given:
+            raise ValueError(f"differs from max_tokens ({given}); send one of them")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_moot(cls, v: int, info: ValidationInfo) -> int:
+        # honouring min_tokens needs eos masked inside verification; with ignore_eos it is moot
+        if v > 1 and not info.data.get("ignore_eos"):
             raise ValueError("min_tokens > 1 is supported only with ignore_eos=true")
-        return self
+        return v
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -12,7 +12,6 @@ Errors are OpenAI-style bodies; a 500 never carries exception text (that goes to
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tide.config import EngineConfig, ServerConfig
 from tide.engine import openai_api as api
@@ -95,31 +95,31 @@ class _Routes:
     async def models(self) -> dict[str, Any]:
         return api.models_body(self.engine.target_model_id, int(self.started_at))
 
+    def _status(self) -> dict[str, Any]:
+        st = self.engine.stats()
+        return {"status": "draining" if self.admission.draining else "ok",
+                "drafter_version": self.engine.drafter_version,
+                "target_model": self.engine.target_model_id, "max_seq_len": self.engine.max_seq_len,
+                "max_batch_size": self.engine_cfg.max_batch_size,
+                "batch_size": REGISTRY.get_sample_value("tide_engine_batch_size"),
+                "queue_depth": REGISTRY.get_sample_value("tide_engine_queue_depth"),
+                "inflight_requests": self.admission.count, "max_inflight_requests": self.admission.limit,
+                "requests_finished": st.requests_finished, "requests_failed": st.requests_failed,
+                "tokens_generated": st.tokens_generated, "uptime_s": round(time.time() - self.started_at, 1)}
+
     def health(self) -> JSONResponse:  # sync: engine.stats() may wait on the engine's lock
-        """Status and counters only: unauthenticated callers see nothing about the deployment."""
+        """Status and counters only: unauthenticated callers learn nothing about the deployment."""
         try:
-            st = self.engine.stats()
-            body = {"status": "draining" if self.admission.draining else "ok",
-                    "drafter_version": self.engine.drafter_version,
-                    "target_model": self.engine.target_model_id, "max_seq_len": self.engine.max_seq_len,
-                    "max_batch_size": self.engine_cfg.max_batch_size,
-                    "batch_size": REGISTRY.get_sample_value("tide_engine_batch_size"),
-                    "queue_depth": REGISTRY.get_sample_value("tide_engine_queue_depth"),
-                    "inflight_requests": self.admission.count,
-                    "max_inflight_requests": self.admission.limit,
-                    "requests_finished": st.requests_finished, "requests_failed": st.requests_failed,
-                    "tokens_generated": st.tokens_generated,
-                    "uptime_s": round(time.time() - self.started_at, 1)}
+            body = self._status()
         except Exception:  # noqa: BLE001 - health must answer, not crash; the text is for the log
             log.exception("/health failed")
             return JSONResponse({"status": "error"}, 503)
         return JSONResponse(body, 503 if self.admission.draining else 200)
 
     def control_health(self) -> JSONResponse:
-        """/health plus the engine's and the follower's details, for token holders."""
-        response = self.health()
-        body = json.loads(response.body)
+        """/health plus the engine's and the follower's details and errors, for token holders."""
         try:
+            body = self._status()
             details = getattr(self.engine, "health", None)  # optional engine-specific facts
             if callable(details):
                 body["engine"] = details()
@@ -128,7 +128,7 @@ class _Routes:
         except Exception as exc:  # noqa: BLE001 - the token holder may see the reason
             log.exception("/control/health failed")
             return JSONResponse({"status": "error", "error": f"{type(exc).__name__}: {exc}"}, 503)
-        return JSONResponse(body, response.status_code)
+        return JSONResponse(body, 503 if self.admission.draining else 200)
 
     def metrics(self) -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
@@ -154,6 +154,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         return JSONResponse(api.error_body(f"invalid value for '{where}': {first.get('msg', 'invalid')}",
                                            "invalid_request_error", where), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(_: Request, exc: ClientDisconnect) -> Response:
+        # the client left mid-body, or HttpGuard refused the body (413 already sent)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
