@@ -192,10 +192,9 @@ class ReferenceEngine:
                 continue
             try:
                 self._step()
-            except Exception as exc:  # a bug must not kill the engine: fail this batch, keep serving
-                log.exception("decode step failed")
-                for slot in list(self._running):
-                    self._finish(slot, "error", error=f"decode step failed: {exc}")
+            except Exception:  # a bug or one bad request must not fail the whole batch
+                log.exception("decode step failed; stepping its requests one at a time")
+                self._step_each()
         for slot in list(self._running):
             self._finish(slot, "error", error="engine shutting down")
 
@@ -264,13 +263,30 @@ class ReferenceEngine:
                                    is_prompt=True)], r)
         self._emit(slot, [first])
 
-    def _step(self) -> None:
+    def _step_each(self) -> None:
+        """After a failed batched step: step each request alone and fail only those that fail alone.
+
+        Rerunning is safe because a step raises before it commits anything (the commit loop only
+        appends and enqueues); a row stepped alone gives the tokens it would get batched.
+        """
+        for slot in sorted(self._running):
+            r = self._running.get(slot)
+            if r is None:
+                continue
+            r.refeed = True  # the failed step may have consumed this row's refeed of its history
+            try:
+                self._step([slot])
+            except Exception as exc:  # noqa: BLE001
+                log.exception("request %s failed in a decode step", r.req.request_id)
+                self._finish(slot, "error", error=f"decode step failed: {exc}")
+
+    def _step(self, only: list[int] | None = None) -> None:
         t0 = time.perf_counter()
-        slots = sorted(self._running)
+        slots = sorted(self._running) if only is None else [s for s in only if s in self._running]
         for s in slots:  # requests whose reader went away
             if self._running[s].cancelled.is_set():
                 self._finish(s, "cancelled")
-        slots = sorted(self._running)
+        slots = [s for s in slots if s in self._running]
         if not slots:
             return
         rows = []
