@@ -184,8 +184,8 @@ class _GenerationFields(_Strict):
     @classmethod
     def _min_tokens_moot(cls, v: int, info: ValidationInfo) -> int:
         # honouring min_tokens needs eos masked inside verification; with ignore_eos it is moot
-        if v > 1 and not info.data.get("ignore_eos"):
-            raise ValueError("min_tokens > 1 is supported only with ignore_eos=true")
+        if v > 1 and (not info.data.get("ignore_eos") or info.data.get("stop") or info.data.get("stop_token_ids")):
+            raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no stop")
         return v
 
     @property

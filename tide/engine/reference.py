@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -137,10 +138,10 @@ class ReferenceEngine:
                              f"({request.sampling.max_new_tokens}) must be in 1..{self.max_seq_len}")
         gen = torch.Generator().manual_seed(request.sampling.seed) if request.sampling.seed is not None else None
         sp = request.sampling
+        if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):  # would reach sampling as NaN
+            raise ValueError(f"temperature and top_p must be finite, got {sp.temperature}, {sp.top_p}")
         # below GREEDY_TEMPERATURE logits / temperature overflows; the distribution is one-hot anyway
         temperature = sp.temperature if sp.temperature >= GREEDY_TEMPERATURE else 0.0
-        if temperature != temperature:  # NaN: the server refuses it; a direct caller gets told too
-            raise ValueError("temperature must be a finite number")
         row = RowInput(slot=-1, t_len=0, pending=-1, feed_start=0, feed_tokens=torch.empty(0),
                        feed_aux=torch.empty(0), temperature=temperature,
                        top_p=sp.top_p, generator=gen, top_k=sp.top_k)

@@ -190,3 +190,10 @@ def test_ignore_eos_generates_past_the_eos_ids(tiny_target):
         e.close()
     assert stopped == greedy[:greedy.index(greedy[2]) + 1]
     assert ignored == greedy and last.finish_reason == "length"
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=float("nan")), SamplingParams(top_p=float("nan")),
+                                      SamplingParams(temperature=float("inf"))])
+def test_non_finite_sampling_values_are_refused_at_submit(engine, sampling):
+    with pytest.raises(ValueError, match="finite"):
+        engine.submit(GenerationRequest("nan", (5, 6, 7), sampling))

@@ -120,6 +120,7 @@ REFUSED = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"min_tokens": 4}, "min_tokens"),  # needs eos masked in verification: only with ignore_eos
+    ({"min_tokens": 4, "ignore_eos": True, "stop": ["x"]}, "min_tokens"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_completion_tokens": 101}, "max_completion_tokens"),
