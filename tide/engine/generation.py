@@ -20,10 +20,9 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
-
-from starlette.concurrency import run_in_threadpool
 
 from tide import metrics
 from tide.engine import openai_api as api
@@ -33,6 +32,7 @@ from tide.engine.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+TOKENIZE_THREADS = 4
 
 
 class ClientGone(Exception):
@@ -100,9 +100,16 @@ class Generations:
         self.limits = limits
         self.admission = admission
         self.tok = engine.tokenizer
+        # tokenization gets its own threads: in the shared pool a flood of long prompts would
+        # queue /health and /metrics (sync routes) behind it
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tide-tokenize")
         self.vocab_size = len(self.tok)
         eos = getattr(self.tok, "eos_token_id", None)
         self.eos_ids = (int(eos),) if isinstance(eos, int) else ()
+
+    def close(self) -> None:
+        """Drop tokenizations still queued (the server stopped; nobody waits for them)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def prompt_ids(self, req: Any, chat: bool) -> list[int]:
         """The prompt's token ids (blocking: run it in a worker thread)."""
@@ -130,7 +137,7 @@ class Generations:
     async def start(self, req: Any, chat: bool) -> Job:
         """Tokenize, check limits, admit, submit, and wait for the first event."""
         t0 = time.perf_counter()
-        ids = await run_in_threadpool(self.prompt_ids, req, chat)
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.prompt_ids, req, chat)
         if not ids:
             raise api.APIError(400, "prompt is empty after tokenization", param="prompt")
         max_new = api.check_limits(req, len(ids), self.limits)

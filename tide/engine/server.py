@@ -178,6 +178,7 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig, ops: 
     app.state.control_token = cfg.control_token
     app.state.engine = engine
     app.state.admission = routes.admission
+    app.state.generations = routes.gen
     app.add_middleware(HttpGuard, max_body_bytes=cfg.max_body_bytes, control_token=cfg.control_token)
     app.add_middleware(HttpMetrics)  # outermost: counts the guard's refusals too
     _install_error_handlers(app)
@@ -226,6 +227,9 @@ class HttpServer:
             admission.draining = True
         self._server.should_exit = True
         self._thread.join(timeout_s)
+        generations = getattr(self.app.state, "generations", None)
+        if generations is not None:
+            generations.close()
 
 
 def serve(app: FastAPI, host: str, port: int, stop_event: threading.Event, grace_s: float = 10.0) -> None:

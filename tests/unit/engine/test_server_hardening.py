@@ -276,3 +276,39 @@ def test_non_streaming_request_is_cancelled_when_the_client_leaves(url: str, fak
     rid = fake.requests[before].request_id
     assert wait_until(lambda: rid in fake.cancelled), "the engine request kept generating"
     assert wait_until(lambda: httpx.get(url + "/health").json()["inflight_requests"] == 0)
+
+
+class SlowTokenizerEngine(FakeEngine):
+    """FakeEngine whose tokenizer takes 2 s per prompt, as a very long prompt would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        encode = self.tokenizer.encode
+
+        def slow_encode(text: str, **kwargs: Any) -> list[int]:
+            time.sleep(2.0)
+            return encode(text, **kwargs)
+
+        self.tokenizer.encode = slow_encode
+
+
+def test_health_answers_during_a_flood_of_slow_tokenization() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = HttpServer(build_app(SlowTokenizerEngine(), ServerConfig(max_inflight_requests=100), ENGINE_CFG),
+                        "127.0.0.1", 0, grace_s=1, log_level="warning")
+    base = f"http://127.0.0.1:{server.start()}"
+    try:
+        pool = ThreadPoolExecutor(42)  # more than the shared thread pool's 40 threads
+        client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=100))
+        for _ in range(42):
+            pool.submit(client.post, base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        assert httpx.get(base + "/health", timeout=30).status_code == 200
+        assert httpx.get(base + "/metrics", timeout=30).status_code == 200
+        waited_s = time.perf_counter() - t0
+        pool.shutdown(wait=False, cancel_futures=True)  # the flood ends with the server
+        assert waited_s < 0.5, waited_s
+    finally:
+        server.stop()
