@@ -260,7 +260,7 @@ def run_bench(args) -> dict:
         (work / "load.stop").write_text("stop")
         gen.wait()
         metrics_text = httpx.get(f"{url}/metrics").text
-        health = httpx.get(f"{url}/health").json()
+        health = httpx.get(f"{url}/control/health", headers=auth).json()  # engine + ops details
     finally:
         (work / "load.stop").write_text("stop")
         proc.stop()

@@ -133,7 +133,8 @@ def test_containers_run_existing_services_with_accepted_flags():
 def _routes() -> dict[str, set[str]]:
     engine = (ROOT / "tide/engine/server.py").read_text()
     health = (ROOT / "tide/health_server.py").read_text()
-    return {"engine": set(re.findall(r'@app\.get\("([^"]+)"\)', engine)),
+    # GET routes, as the server registers them: app.add_api_route("/path", handler, methods=["GET"])
+    return {"engine": set(re.findall(r'add_api_route\("([^"]+)", [\w.]+, methods=\["GET"\]', engine)),
             "ingest": set(re.findall(r'path == "(/[^"]*)"', health)),  # the same HealthServer
             "scheduler": set(re.findall(r'path == "(/[^"]*)"', health))}
 

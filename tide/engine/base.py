@@ -23,6 +23,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0  # <= 0: no top-k filter
+    ignore_eos: bool = False  # the model's eos ids do not end the request (stop_token_ids still do)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_STOP_IDS = 16
 # Workload tags become capture-record fields and may be used as metric labels: keep them short
 # and free of characters that need escaping anywhere.
 WORKLOAD_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -53,22 +54,82 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# Temperatures below this are greedy, as in vLLM/SGLang: dividing logits by 1e-40 overflows to
+# inf/NaN inside the batch, and the distribution is one-hot long before that anyway.
+GREEDY_TEMPERATURE = 1e-5
+# Fields of OpenAI's schema that TIDE accepts only at their "does nothing" value; anything else is
+# a 400 naming the field (silently ignoring e.g. tools would return something the client did not ask).
+_INERT_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,),
+}
+
+
 class _GenerationFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions (plus TIDE extensions)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (plus TIDE extensions).
+
+    Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k, seed, stop (strings
+    or token ids), stop_token_ids, ignore_eos, stream, stream_options.include_usage. Accepted
+    because they do not change generation: user, metadata, store, service_tier. Accepted only at
+    their inert value (else 400): the keys of _INERT_VALUES, n=1, logit_bias={}.
+    """
 
     model: str | None = None
     max_tokens: int | None = None  # range depends on engine config: checked in check_limits
+    max_completion_tokens: int | None = None  # OpenAI's current name for max_tokens
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # 0 or -1: no top-k filter (vLLM/SGLang convention)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | list[int] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM/SGLang extension: generate max_tokens whatever the model says
+    min_tokens: int = Field(0, ge=0)  # vLLM extension; honoured only where it is moot (see below)
     n: int = 1
+    logit_bias: dict[str, float] | None = None
     user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=32)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # inert-only fields: typed loosely here, value-checked in _inert_only
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, allow_inf_nan=False)
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
     # TIDE extensions: a workload tag carried into capture records, and a capture opt-out.
     workload: str | None = None
     capture: bool = True
+
+    @field_validator(*_INERT_VALUES)
+    @classmethod
+    def _inert_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if not any(v == ok and type(v) is type(ok) or (v is ok) for ok in _INERT_VALUES[info.field_name]):
+            raise ValueError(f"'{info.field_name}' is not supported by this engine; "
+                             f"accepted values: {_INERT_VALUES[info.field_name]}")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -77,15 +138,29 @@ class _GenerationFields(_Strict):
             raise ValueError(f"only n=1 is supported, got {v}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported by this engine (only an empty map)")
+        return v
+
     @field_validator("stop")
     @classmethod
-    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+    def _stop_strings(cls, v: str | list[str] | list[int] | None) -> str | list[str] | list[int] | None:
         items = [v] if isinstance(v, str) else (v or [])
         if len(items) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
         for s in items:
-            if not s or len(s) > MAX_STOP_CHARS:
+            if isinstance(s, str) and (not s or len(s) > MAX_STOP_CHARS):
                 raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _few_stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(v) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(v)}")
         return v
 
     @field_validator("workload")
@@ -95,9 +170,43 @@ class _GenerationFields(_Strict):
             raise ValueError("workload must be 1-64 characters from [A-Za-z0-9_.:-]")
         return v
 
+    # cross-field checks as field validators (fields validate in declaration order), so the
+    # error names the field
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_budget(cls, v: int | None, info: ValidationInfo) -> int | None:
+        given = info.data.get("max_tokens")
+        if v is not None and given is not None and v != given:
+            raise ValueError(f"differs from max_tokens ({given}); send one of them")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_moot(cls, v: int, info: ValidationInfo) -> int:
+        # honouring min_tokens needs eos masked inside verification; with ignore_eos it is moot
+        if v > 1 and (not info.data.get("ignore_eos") or info.data.get("stop") or info.data.get("stop_token_ids")):
+            raise ValueError("min_tokens > 1 is supported only with ignore_eos=true and no stop")
+        return v
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    @property
+    def greedy_temperature(self) -> float:
+        """The temperature to sample at: 0 (greedy) below GREEDY_TEMPERATURE."""
+        return 0.0 if self.temperature < GREEDY_TEMPERATURE else self.temperature
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if isinstance(self.stop, str):
+            return (self.stop,)
+        return tuple(s for s in self.stop or () if isinstance(s, str))
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        ids = [s for s in self.stop or () if isinstance(s, int)] + list(self.stop_token_ids or ())
+        return tuple(dict.fromkeys(ids))
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -105,11 +214,17 @@ class _GenerationFields(_Strict):
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: str
+    """``prompt`` is text or token ids; a list of one prompt is accepted too (n prompts are not)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v: str) -> str:
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"only one prompt per request is supported, got {len(v)}")
+            v = v[0]
         if not v:
             raise ValueError("prompt must not be empty")
         return v
@@ -121,7 +236,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's new "system"
     content: str | list[TextPart]
     name: str | None = None
 
@@ -142,7 +257,8 @@ class ChatCompletionRequest(_GenerationFields):
         return v
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -201,18 +317,28 @@ def check_limits(req: _GenerationFields, prompt_len: int, limits: Limits) -> int
         raise APIError(400, f"prompt has {prompt_len} tokens; the limit is {limits.max_prompt_tokens}",
                        param="prompt" if isinstance(req, CompletionRequest) else "messages")
     room = limits.max_seq_len - prompt_len
-    if req.max_tokens is None:
+    asked = req.max_new_tokens
+    name = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+    if asked is None:
         if room < 1:
             raise APIError(400, f"prompt has {prompt_len} tokens and leaves no room in the "
                                 f"model's context of {limits.max_seq_len} tokens")
         return min(limits.default_max_new_tokens, limits.max_new_tokens_limit, room)
-    if not 1 <= req.max_tokens <= limits.max_new_tokens_limit:
-        raise APIError(400, f"invalid value for 'max_tokens': {req.max_tokens}; must be in "
-                            f"[1, {limits.max_new_tokens_limit}]", param="max_tokens")
-    if req.max_tokens > room:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({req.max_tokens}) exceeds "
-                            f"the model's context of {limits.max_seq_len} tokens", param="max_tokens")
-    return req.max_tokens
+    if not 1 <= asked <= limits.max_new_tokens_limit:
+        raise APIError(400, f"invalid value for '{name}': {asked}; must be in "
+                            f"[1, {limits.max_new_tokens_limit}]", param=name)
+    if asked > room:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + {name} ({asked}) exceeds "
+                            f"the model's context of {limits.max_seq_len} tokens", param=name)
+    return asked
+
+
+def check_token_ids(ids: Any, vocab_size: int, param: str) -> None:
+    """Token ids from the client (a prompt or stop ids) must index the vocabulary."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"invalid value for '{param}': token id {bad} is outside the "
+                            f"vocabulary [0, {vocab_size})", param=param)
 
 
 # --- response bodies ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -42,6 +43,8 @@ from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step
 from tide.spec.generate import generate
 
 log = logging.getLogger(__name__)
+_DONE = object()  # queued by _Events.cancel to wake a reader blocked on the next event
+GREEDY_TEMPERATURE = 1e-5  # the server's threshold too (tide/engine/openai_api.py)
 
 
 @dataclass
@@ -55,6 +58,41 @@ class _Running:
     generated: int = 0
     refeed: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class _Events:
+    """A caller's iterator over one request's TokenEvents.
+
+    ``close()`` (reader done) and ``cancel()`` (thread-safe, from anywhere) mark the request
+    cancelled: the decode loop drops it at its next step, or before its prefill while it waits
+    in the inbox. ``cancel()`` also wakes a reader blocked waiting for the next event.
+    """
+
+    def __init__(self, running: _Running) -> None:
+        self._r = running
+        self._done = False
+
+    def __iter__(self) -> "_Events":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self._done:
+            raise StopIteration
+        ev = self._r.out.get()
+        if ev is _DONE:
+            self.close()
+            raise StopIteration
+        if ev.finished:
+            self.close()
+        return ev
+
+    def cancel(self) -> None:
+        self._r.cancelled.set()
+        self._r.out.put(_DONE)
+
+    def close(self) -> None:
+        self._done = True
+        self._r.cancelled.set()
 
 
 class ReferenceEngine(Engine):
@@ -130,9 +168,14 @@ class ReferenceEngine(Engine):
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens "
                              f"({request.sampling.max_new_tokens}) must be in 1..{self.max_seq_len}")
         gen = torch.Generator().manual_seed(request.sampling.seed) if request.sampling.seed is not None else None
+        sp = request.sampling
+        if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):  # would reach sampling as NaN
+            raise ValueError(f"temperature and top_p must be finite, got {sp.temperature}, {sp.top_p}")
+        # below GREEDY_TEMPERATURE logits / temperature overflows; the distribution is one-hot anyway
+        temperature = sp.temperature if sp.temperature >= GREEDY_TEMPERATURE else 0.0
         row = RowInput(slot=-1, t_len=0, pending=-1, feed_start=0, feed_tokens=torch.empty(0),
-                       feed_aux=torch.empty(0), temperature=request.sampling.temperature,
-                       top_p=request.sampling.top_p, generator=gen)
+                       feed_aux=torch.empty(0), temperature=temperature,
+                       top_p=sp.top_p, generator=gen, top_k=sp.top_k)
         meta = CaptureMeta(request_id=request.request_id, target_model_id=self.target_model_id,
                            drafter_version=self._version, aux_layer_ids=self.target.aux_layer_ids,
                            workload=request.workload, prompt_len=len(request.prompt_ids),
@@ -166,15 +209,8 @@ class ReferenceEngine(Engine):
         self._thread.join(timeout=30)
 
     # --- internals --------------------------------------------------------------------------
-    def _stream(self, running: _Running) -> Iterator[TokenEvent]:
-        try:
-            while True:
-                ev = running.out.get()
-                yield ev
-                if ev.finished:
-                    return
-        finally:
-            running.cancelled.set()
+    def _stream(self, running: _Running) -> "_Events":
+        return _Events(running)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -188,10 +224,9 @@ class ReferenceEngine(Engine):
                 continue
             try:
                 self._step()
-            except Exception as exc:  # a bug must not kill the engine: fail this batch, keep serving
-                log.exception("decode step failed")
-                for slot in list(self._running):
-                    self._finish(slot, "error", error=f"decode step failed: {exc}")
+            except Exception:  # a bug or one bad request must not fail the whole batch
+                log.exception("decode step failed; stepping its requests one at a time")
+                self._step_each()
         for slot in list(self._running):
             self._finish(slot, "error", error="engine shutting down")
 
@@ -228,7 +263,8 @@ class ReferenceEngine(Engine):
                 running = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if running.cancelled.is_set():
+            if running.cancelled.is_set():  # its client left while it waited: never prefilled
+                metrics.ENGINE_REQUESTS.labels("cancelled").inc()
                 continue
             slot = free.pop(0)
             running.row.slot = slot
@@ -246,8 +282,8 @@ class ReferenceEngine(Engine):
         out = prefill(self.target, self._tcache, slot, prompt)
         logits = out.logits[0, -1]
         if r.row.temperature > 0:
-            first = int(torch.multinomial(filtered_probs(logits, r.row.temperature, r.row.top_p), 1,
-                                          generator=r.row.generator))
+            first = int(torch.multinomial(filtered_probs(logits, r.row.temperature, r.row.top_p,
+                                                         r.row.top_k), 1, generator=r.row.generator))
         else:
             first = int(logits.argmax())
         r.meta = CaptureMeta(**{**r.meta.__dict__, "drafter_version": self._version})
@@ -259,13 +295,30 @@ class ReferenceEngine(Engine):
                                    is_prompt=True)], r)
         self._emit(slot, [first])
 
-    def _step(self) -> None:
+    def _step_each(self) -> None:
+        """After a failed batched step: step each request alone and fail only those that fail alone.
+
+        Rerunning is safe because a step raises before it commits anything (the commit loop only
+        appends and enqueues); a row stepped alone gives the tokens it would get batched.
+        """
+        for slot in sorted(self._running):
+            r = self._running.get(slot)
+            if r is None:
+                continue
+            r.refeed = True  # the failed step may have consumed this row's refeed of its history
+            try:
+                self._step([slot])
+            except Exception as exc:  # noqa: BLE001
+                log.exception("request %s failed in a decode step", r.req.request_id)
+                self._finish(slot, "error", error=f"decode step failed: {exc}")
+
+    def _step(self, only: list[int] | None = None) -> None:
         t0 = time.perf_counter()
-        slots = sorted(self._running)
+        slots = sorted(self._running) if only is None else [s for s in only if s in self._running]
         for s in slots:  # requests whose reader went away
             if self._running[s].cancelled.is_set():
                 self._finish(s, "cancelled")
-        slots = sorted(self._running)
+        slots = [s for s in slots if s in self._running]
         if not slots:
             return
         rows = []
@@ -334,7 +387,7 @@ class ReferenceEngine(Engine):
     def _emit(self, slot: int, tokens: list[int]) -> None:
         r = self._running[slot]
         sp = r.req.sampling
-        stops = set(sp.stop_token_ids) | set(self.eos_ids)
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
         out, reason = [], None
         for t in tokens:
             out.append(t)

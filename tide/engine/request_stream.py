@@ -41,11 +41,23 @@ class EngineStream:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._cancel = threading.Event()
         self._ended = False
+        self._it: Any = None
         threading.Thread(target=self._run, args=(engine, request), daemon=True,
                          name=f"tide-http-{request.request_id[-8:]}").start()
 
     def cancel(self) -> None:
+        """Stop reading; also wake the engine's iterator if it offers a thread-safe ``cancel()``
+        (the reference engine's does), so a request still queued is dropped before its prefill."""
         self._cancel.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        wake = getattr(self._it, "cancel", None)
+        if callable(wake):
+            try:
+                wake()
+            except Exception:  # noqa: BLE001 - cancelling is best effort; close() still follows
+                log.exception("cancelling an engine iterator failed")
 
     def _post(self, item: Any) -> None:
         try:
@@ -56,7 +68,9 @@ class EngineStream:
     def _run(self, engine: Engine, request: GenerationRequest) -> None:
         it = None
         try:
-            it = engine.submit(request)
+            it = self._it = engine.submit(request)
+            if self._cancel.is_set():  # cancelled while submit ran
+                self._wake()
             for event in it:
                 self._post(event)
                 if event.finished or self._cancel.is_set():
@@ -86,12 +100,15 @@ class EngineStream:
         return item
 
 
-def engine_error(exc: BaseException) -> api.APIError:
+def engine_error(exc: BaseException, rid: str) -> api.APIError:
+    """The status for an exception from the engine; a 500's text goes to the log, not the client."""
     if isinstance(exc, ValueError):
         return api.APIError(400, f"engine refused the request: {exc}")
     if isinstance(exc, (queue.Full, TimeoutError, ConnectionError)):
-        return api.APIError(503, f"engine unavailable: {exc}", "engine_unavailable")
-    return api.APIError(500, f"engine error: {type(exc).__name__}: {exc}", "engine_error")
+        log.warning("request %s: engine unavailable: %s", rid, exc)
+        return api.APIError(503, "engine unavailable; retry later", "engine_unavailable")
+    log.error("request %s failed in the engine", rid, exc_info=exc)
+    return api.APIError(500, f"engine error in request {rid}; details are in the server log", "engine_error")
 
 
 class Admission:

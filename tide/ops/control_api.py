@@ -30,7 +30,7 @@ class _Body(BaseModel):
 
 
 class PromoteBody(_Body):
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=2**31 - 1)  # MLflow versions are small; 2**70 is a 400, not a 503
 
 
 class RollbackBody(_Body):

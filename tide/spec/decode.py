@@ -42,6 +42,7 @@ class RowInput:
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    top_k: int = 0  # <= 0: no top-k filter
     drafter_first_pos: int = 0  # the drafter attends to its keys from here on (set by a swap)
 
 
@@ -66,9 +67,14 @@ class StepStats:
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Softmax at ``temperature`` restricted to the top-p nucleus (the distribution to preserve)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """Softmax at ``temperature`` restricted to the top-k, then the top-p nucleus (the distribution
+    to preserve; vLLM's order)."""
+    logits = logits.float()
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
         keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # always keeps the top token
@@ -152,9 +158,10 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
 
 
 def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, target_logits: torch.Tensor,
-                    temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[int, int]:
+                    temperature: float, top_p: float, generator: torch.Generator | None,
+                    top_k: int = 0) -> tuple[int, int]:
     """One row, rejection sampling (Leviathan et al. / Chen et al.): output ~ target distribution."""
-    p = filtered_probs(target_logits, temperature, top_p)  # [γ+1, V]
+    p = filtered_probs(target_logits, temperature, top_p, top_k)  # [γ+1, V]
     gamma = draft_tokens.numel()
     for i in range(gamma):
         d = int(draft_tokens[i])
@@ -187,7 +194,7 @@ def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: 
         k = lengths[b]
         if r.temperature > 0:
             n, nxt = accept_sampling(draft_tokens[b, :k], q_probs[b], out.logits[b, :k + 1], r.temperature,
-                                     r.top_p, r.generator)
+                                     r.top_p, r.generator, r.top_k)
         else:
             n, nxt = accept_greedy(draft_tokens[b, :k], out.logits[b, :k + 1])
         stats.accepted.append(n)
@@ -207,7 +214,7 @@ def target_step(target: LlamaTarget, cache: KVCache, rows: list[RowInput]) -> li
     results = []
     for b, r in enumerate(rows):
         if r.temperature > 0:
-            p = filtered_probs(out.logits[b, 0], r.temperature, r.top_p)
+            p = filtered_probs(out.logits[b, 0], r.temperature, r.top_p, r.top_k)
             nxt = int(torch.multinomial(p, 1, generator=r.generator))
         else:
             nxt = int(out.logits[b, 0].argmax())

@@ -139,3 +139,61 @@ def test_too_long_request_rejected(engine):
 def test_draft_stop_prob_out_of_range_is_refused(tiny_target, tiny_drafter):
     with pytest.raises(ValueError, match="draft_stop_prob"):
         ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_stop_prob=1.5)
+
+
+def collect(stream):
+    """(tokens, the last event) of one request's stream."""
+    events = list(stream)
+    return [t for ev in events for t in ev.token_ids], events[-1]
+
+
+def test_one_failing_request_does_not_fail_its_batch(engine, tiny_target, monkeypatch):
+    import tide.engine.reference as reference
+
+    def failing_for_poisoned_rows(step):
+        def wrapped(*args, **kwargs):
+            rows = next(a for a in args if isinstance(a, list))
+            if any(r.top_p == 0.5 for r in rows):  # the poisoned request's marker
+                raise RuntimeError("this row breaks the step")
+            return step(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(reference, "speculative_step", failing_for_poisoned_rows(reference.speculative_step))
+    monkeypatch.setattr(reference, "target_step", failing_for_poisoned_rows(reference.target_step))
+    ps = prompts(4, seed=7)
+    streams = [engine.submit(GenerationRequest(f"b{i}", tuple(p), SamplingParams(
+        max_new_tokens=16, top_p=0.5 if i == 0 else 1.0))) for i, p in enumerate(ps)]
+    results = [collect(s) for s in streams]
+    assert results[0][1].finish_reason == "error"
+    for p, (tokens, last) in zip(ps[1:], results[1:]):
+        assert last.finish_reason == "length" and tokens == generate(tiny_target, None, p, 16)[0]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=20, temperature=1e-40),
+                                      SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1, seed=3)])
+def test_tiny_temperature_and_top_k_1_are_greedy(engine, tiny_target, sampling):
+    p = prompts(1, seed=11)[0]
+    tokens, last = collect(engine.submit(GenerationRequest("g", tuple(p), sampling)))
+    assert last.finish_reason == "length" and tokens == generate(tiny_target, None, p, 20)[0]
+
+
+def test_ignore_eos_generates_past_the_eos_ids(tiny_target):
+    p = prompts(1, seed=5)[0]
+    greedy = generate(tiny_target, None, p, 12)[0]
+    e = ReferenceEngine(tiny_target, None, None, "none", target_model_id="tiny", max_batch_size=1,
+                        max_seq_len=200, eos_ids=(greedy[2],))
+    try:
+        stopped, _ = collect(e.submit(GenerationRequest("s", tuple(p), SamplingParams(max_new_tokens=12))))
+        ignored, last = collect(e.submit(GenerationRequest("i", tuple(p), SamplingParams(
+            max_new_tokens=12, ignore_eos=True))))
+    finally:
+        e.close()
+    assert stopped == greedy[:greedy.index(greedy[2]) + 1]
+    assert ignored == greedy and last.finish_reason == "length"
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=float("nan")), SamplingParams(top_p=float("nan")),
+                                      SamplingParams(temperature=float("inf"))])
+def test_non_finite_sampling_values_are_refused_at_submit(engine, sampling):
+    with pytest.raises(ValueError, match="finite"):
+        engine.submit(GenerationRequest("nan", (5, 6, 7), sampling))

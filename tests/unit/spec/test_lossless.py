@@ -92,6 +92,22 @@ def test_rejection_sampling_with_top_p_never_emits_outside_nucleus():
     assert stat.pvalue > 1e-3
 
 
+def test_rejection_sampling_with_top_k_follows_the_top_k_distribution():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.tensor([[3.0, 2.5, 2.0, -1.0, -2.0]] * 2)
+    q = torch.full((1, 5), 0.2)  # the drafter proposes outside the top k as often as inside
+    p = filtered_probs(logits[0], 1.0, 1.0, top_k=2)
+    assert (p[2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    seen = torch.zeros(5)
+    for _ in range(3000):
+        d = torch.multinomial(q[0], 1, generator=g)
+        n, tok = accept_sampling(d, q, logits, 1.0, 1.0, g, top_k=2)
+        seen[int(d) if n == 1 else tok] += 1
+    assert seen[2:].sum() == 0
+    stat = chisquare(seen[:2].numpy(), (p[:2] * seen.sum()).numpy())
+    assert stat.pvalue > 1e-3
+
+
 def test_sampled_generation_distribution_matches_target_only(tiny_target, tiny_drafter):
     """End to end on the tiny model: the 2nd generated token (produced by a spec step) has the
     same distribution with and without the drafter (two-sample chi-square, rare tokens pooled)."""
