@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import urllib.parse
@@ -40,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sources_from(cfg, prometheus_url: str, scheduler_url: str) -> page_data.Sources:
     from tide.schedule.scheduler import default_state_path
+
+    # a down MLflow must cost the page seconds, not the client's minutes of retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
     registry = None
 

@@ -102,11 +102,14 @@ def _scalar(base: str, promql: str) -> float | None:
 def acceptance(src: Sources, window_s: float, now_s: float) -> Panel:
     def fill(p: Panel) -> None:
         base = _need_prometheus(src)
-        start_s, step_s = now_s - window_s, max(5.0, window_s / 240)
-        for labels, points in prometheus.query_range(base, prometheus.ACCEPT_SERIES, start_s, now_s, step_s):
+        step_s = max(2.0, window_s / 360)  # 5 s steps over 30 min
+        # on a grid of whole steps (as Grafana does): one refresh draws what the last one did
+        start_s = (now_s - window_s) // step_s * step_s
+        end_s = now_s // step_s * step_s
+        for labels, points in prometheus.query_range(base, prometheus.ACCEPT_SERIES, start_s, end_s, step_s):
             if points:
                 p.series[labels.get("drafter_version", "?")] = points
-        p.marks = _swaps(base, start_s, now_s, step_s) + [m for m in read_marks(src.home) if m[0] >= start_s]
+        p.marks = _swaps(base, start_s, end_s, step_s) + [m for m in read_marks(src.home) if m[0] >= start_s]
         p.has_data = bool(p.series)
         p.reason = "" if p.has_data else f"no samples of {prometheus.ACCEPT_SERIES} yet (no traffic?)"
     return _guarded("acceptance", "Acceptance length by drafter version (tokens per target forward)", fill)
