@@ -175,7 +175,8 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
     summary["adapted_version"] = adapted
     summary["live"] = _live(sampler, static_version, adapted)
     plot_acceptance(sampler, report_dir / "acceptance.png", f"TIDE demo: '{before}' then '{after}'")
-    _say("controlled comparison (nothing else running) ...")
+    _say("controlled comparison " + ("(the kept-up stack runs beside it: tokens/s are shared) ..." if keep_up
+                                     else "(nothing else running) ..."))
     summary["comparison"] = _comparison(home, adapted_folder, before, after, settings)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)
     write_summary(report_dir / "summary.json", summary)
