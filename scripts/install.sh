@@ -39,5 +39,17 @@ if [ "${TIDE_SKIP_PROMETHEUS:-0}" != 1 ] && { ! command -v prometheus >/dev/null
     echo "install.sh: no prometheus; install the Debian package for the dashboard and its tests" >&2
   fi
 fi
+# Chromium (Debian package): the tests load the stack's page (tide/services/page.py) in headless
+# Chromium and check every panel has data. TIDE_SKIP_CHROMIUM=1 skips it (the service image).
+if [ "${TIDE_SKIP_CHROMIUM:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+           --no-install-recommends chromium >/dev/null; }; } \
+      || echo "install.sh: could not install chromium; the page's browser tests will fail" >&2
+  else
+    echo "install.sh: no chromium; install the Debian package for the page's browser tests" >&2
+  fi
+fi
 
 python3 -c 'from tide.models.rowkernel import load; k = load(); print("row kernel:", k.path if k else "unavailable (torch kernels)")' 

@@ -133,7 +133,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stack = Stack(StackOptions(cfg.home_path, args.bootstrap_servers or "", args.tracking_uri or "",
-                               args.data_dir or "", args.durable_broker, prometheus=not args.no_prometheus))
+                               args.data_dir or "", args.durable_broker, prometheus=not args.no_prometheus,
+                               ports=_ports(args)))
     print(f"starting TIDE ({', '.join(stack.parts)}) ...", flush=True)
     stack.start()
     try:
@@ -158,13 +159,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     report = Path(args.report) if args.report else cfg.home_path / "reports" / time.strftime("demo-%Y%m%d-%H%M%S")
     summary = run_demo(cfg.home_path, report, settings, args.before, args.after,
-                       args.bootstrap_servers or "", args.tracking_uri or "")
+                       args.bootstrap_servers or "", args.tracking_uri or "", _ports(args), args.keep_up)
     loop = summary.get("loop", {})
     if not loop.get("closed"):
         print(f"tide demo: the loop did not close: {loop.get('reason') or 'stopped before the shift'}",
               file=sys.stderr)
         return 1
     return 0 if summary.get("traffic", {}).get("after", {}).get("failed", 1) == 0 else 1
+
+
+def _add_port_flags(p: argparse.ArgumentParser) -> None:
+    """Fixed defaults (tide/stack.py DEFAULT_PORTS); a port another process holds is replaced by a free one."""
+    for name, default in (("engine", 8000), ("mlflow", 5000), ("prometheus", 9090), ("page", 8090)):
+        p.add_argument(f"--{name}-port", type=int, help=f"{name} port (default {default}, or a free one if taken)")
+
+
+def _ports(args: argparse.Namespace) -> dict[str, int]:
+    return {name: getattr(args, f"{name}_port") for name in ("engine", "mlflow", "prometheus", "page")
+            if getattr(args, f"{name}_port", None)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", help="Parquet dataset folder (default <home>/dataset)")
     p.add_argument("--durable-broker", action="store_true", help="tansu on S3 (SeaweedFS) instead of memory")
     p.add_argument("--no-prometheus", action="store_true", help="do not start the local Prometheus (dashboard)")
+    _add_port_flags(p)
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("demo", help="the main job: the drafter adapts to a workload shift, end to end")
@@ -217,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", help="report folder (default <home>/reports/demo-<time>)")
     p.add_argument("--bootstrap-servers", help="use this Kafka instead of a local broker")
     p.add_argument("--tracking-uri", help="use this MLflow instead of a local server")
+    p.add_argument("--keep-up", action="store_true",
+                   help="leave the stack (and its page) running after the report until Ctrl-C / SIGTERM")
+    _add_port_flags(p)
     p.set_defaults(fn=cmd_demo)
 
     from tide.ops.commands import add_drafters_parser

@@ -10,7 +10,11 @@ Steps:
    (``LoopWatch``: each wait is bounded, and a wait that runs out says why in the report);
 4. stop everything, then a controlled comparison in one process with nothing else running:
    the same held-out prompts of each workload, target-only vs static drafter vs adapted drafter;
-5. write the report folder: acceptance-over-time PNG (shift and swaps marked) + summary JSON.
+5. write the report folder: acceptance-over-time PNG (shift and swaps marked) + summary JSON;
+6. with ``keep_up``, the stack is not stopped in step 4 (the comparison then shares the CPU with the
+   idle stack, and with a retrain should the scheduler launch another) and runs on after the report,
+   its page showing the run, until Ctrl-C / SIGTERM.
+The shift is written to the page's marks file (``<home>/run/marks.jsonl``): nothing else knows it.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import httpx
 from tide import prometheus, workloads
 from tide.metrics import SCHED_RETRAINS_FINISHED
 from tide.report import compare, plot_acceptance, ratio_interval, write_summary
+from tide.services import page_data
 from tide.stack import Stack, StackOptions
 from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_value, replay, scrape
 
@@ -76,7 +81,8 @@ def _champion(engine_url: str) -> str:
 
 
 def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str = "chat", after: str = "code",
-             bootstrap_servers: str = "", tracking_uri: str = "") -> dict:
+             bootstrap_servers: str = "", tracking_uri: str = "", ports: dict[str, int] | None = None,
+             keep_up: bool = False) -> dict:
     t_start = time.monotonic()
     overrides = {
         "schedule": {"interval_s": 5, "min_new_samples": settings.retrain_min_tokens, "sample_unit": "tokens",
@@ -88,9 +94,34 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
                 "guard_window_forwards": 100},
         "ingest": {"roll_interval_s": 10},
     }
-    stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides))
-    _say("starting broker, MLflow, engine, ingest, scheduler ...")
+    stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides, ports=ports or {}))
+    page_data.marks_path(home).unlink(missing_ok=True)  # a previous run's shift is not this one's
+    _say(f"starting {', '.join(stack.parts)} ...")
     stack.start()
+    try:
+        summary = _run_loop(stack, home, report_dir, settings, before, after, tracking_uri, t_start, keep_up)
+    except BaseException:
+        stack.stop()
+        raise
+    if keep_up:
+        _keep_up(stack)
+    return summary
+
+
+def _keep_up(stack: Stack) -> None:
+    """Leave the stack serving (its page shows the run) until Ctrl-C / SIGTERM (``tide demo``
+    turns SIGTERM into KeyboardInterrupt)."""
+    try:  # the line a script waits for: a SIGTERM from then on is a clean stop
+        _say("the stack stays up (--keep-up); Ctrl-C stops it:\n" + stack.describe())
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        _say("stopping ...")
+    finally:
+        stack.stop()
+
+
+def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings, before: str, after: str,
+              tracking_uri: str, t_start: float, keep_up: bool) -> dict:
     _say("TIDE is up:\n" + stack.describe())
     url = stack.endpoints["engine"]
     static_version = _champion(url)
@@ -119,6 +150,7 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
                     on_done=lambda res: status(res, static_version))
         sampler.sample()
         sampler.mark(f"shift to {after}")
+        page_data.write_mark(home, "shift", f"shift to {after}")
         t_shift = time.monotonic()
         _say(f"phase 2: shift to '{after}'; waiting for retrain + swap")
         watch = LoopWatch(stack, sampler, static_version, settings, t_shift)
@@ -137,12 +169,14 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
         summary["dashboard"] = _dashboard(stack, time.monotonic() - t_start)
         adapted_folder = (_download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
                           if adapted != static_version else None)  # no swap happened: nothing adapted to compare
-        stack.stop()
+        if not keep_up:
+            stack.stop()
     summary["swaps"] = swaps
     summary["adapted_version"] = adapted
     summary["live"] = _live(sampler, static_version, adapted)
     plot_acceptance(sampler, report_dir / "acceptance.png", f"TIDE demo: '{before}' then '{after}'")
-    _say("controlled comparison (nothing else running) ...")
+    _say("controlled comparison " + ("(the kept-up stack runs beside it: tokens/s are shared) ..." if keep_up
+                                     else "(nothing else running) ..."))
     summary["comparison"] = _comparison(home, adapted_folder, before, after, settings)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)
     write_summary(report_dir / "summary.json", summary)

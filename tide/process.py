@@ -34,6 +34,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_or_free(preferred: int | None) -> int:
+    """``preferred`` when it can be bound on loopback now, else a free port: the stack's fixed
+    defaults (engine 8000, MLflow 5000, ...) are easy to remember, but another stack, test or
+    program may hold them. (The check races with other binders; the service's start then fails
+    loudly rather than sharing a port.)"""
+    if not preferred:
+        return free_port()
+    with socket.socket() as s:
+        # as servers bind (uvicorn, http.server, Prometheus): a port in TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", preferred))
+        except OSError:
+            return free_port()
+    return preferred
+
+
 @dataclass
 class ServiceProcess:
     name: str

@@ -39,10 +39,10 @@ def scrape_config(targets: dict[str, str], interval_s: float = 5.0) -> dict:
 
 
 def start(exe: str, home: Path, log_path: Path, targets: dict[str, str], interval_s: float = 5.0,
-          timeout_s: float = 60.0) -> tuple[ServiceProcess, str]:
-    """Run ``exe`` on a free loopback port with its data under ``<home>/prometheus``; returns the
-    process (healthy: ``/-/ready`` answered) and its base URL."""
-    port = free_port()
+          timeout_s: float = 60.0, port: int | None = None) -> tuple[ServiceProcess, str]:
+    """Run ``exe`` on loopback ``port`` (default: a free one) with its data under
+    ``<home>/prometheus``; returns the process (healthy: ``/-/ready`` answered) and its base URL."""
+    port = port or free_port()
     conf = home / "run" / "prometheus.yml"
     conf.parent.mkdir(parents=True, exist_ok=True)
     conf.write_text(yaml.safe_dump(scrape_config(targets, interval_s)))
@@ -80,6 +80,19 @@ def query(base_url: str, promql: str, timeout_s: float = 5.0) -> list[tuple[dict
     if body.get("status") != "success":
         raise RuntimeError(f"prometheus refused {promql!r}: {body.get('error')}")
     return [(r["metric"], float(r["value"][1])) for r in body["data"]["result"]]
+
+
+def query_range(base_url: str, promql: str, start_s: float, end_s: float, step_s: float,
+                timeout_s: float = 5.0) -> list[tuple[dict, list[tuple[float, float]]]]:
+    """Range query -> [(labels, [(unix_s, value)])], NaN points dropped; raises like ``query``."""
+    resp = httpx.get(f"{base_url}/api/v1/query_range", timeout=timeout_s,
+                     params={"query": promql, "start": start_s, "end": end_s, "step": step_s})
+    resp.raise_for_status()
+    body = resp.json()
+    if body.get("status") != "success":
+        raise RuntimeError(f"prometheus refused {promql!r}: {body.get('error')}")
+    return [(r["metric"], [(float(t), float(v)) for t, v in r["values"] if float(v) == float(v)])
+            for r in body["data"]["result"]]
 
 
 def accept_length_by_version(base_url: str, window_s: float) -> dict[str, float]:

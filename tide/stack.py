@@ -8,8 +8,11 @@ Start order (each waits healthy before the next; stop is the reverse):
 4. ingest: Kafka → Parquet dataset;
 5. scheduler: launches retrains when enough new samples arrived;
 6. Prometheus (when the ``prometheus`` binary is installed; scripts/install.sh installs it):
-   scrapes the three services and evaluates ``tide/assets/dashboards/prometheus-rules.yml``; its graph of
-   acceptance length by drafter version is the local dashboard.
+   scrapes the three services and evaluates ``tide/assets/dashboards/prometheus-rules.yml``;
+7. the page (``tide/services/page.py``): the loop on one local HTML page, read from that
+   Prometheus, the scheduler and the registry.
+Engine, MLflow, Prometheus and the page listen on fixed default ports (``DEFAULT_PORTS``), each
+overridable (``StackOptions.ports``) and replaced by a free port when taken.
 The resolved configuration is written to ``<home>/run/tide.yaml`` and passed to every service,
 so each part can be pointed at an external service instead by editing one file.
 """
@@ -26,9 +29,12 @@ from pathlib import Path
 import yaml
 
 from tide import prometheus
-from tide.process import ServiceProcess, free_port, python_service
+from tide.process import ServiceProcess, free_port, port_or_free, python_service
 
 log = logging.getLogger(__name__)
+
+# easy to remember and to bookmark; ingest and scheduler serve only /metrics and /health: free ports
+DEFAULT_PORTS = {"engine": 8000, "mlflow": 5000, "prometheus": 9090, "page": 8090}
 
 
 def _tcp_ready(port: int) -> bool:
@@ -46,6 +52,11 @@ class StackOptions:
     durable_broker: bool = False
     overrides: dict = field(default_factory=dict)  # extra config sections (demo settings)
     prometheus: bool = True  # start a local Prometheus when the binary is installed
+    ports: dict[str, int] = field(default_factory=dict)  # overrides DEFAULT_PORTS by name
+
+    def port(self, name: str) -> int:
+        """The port ``name`` listens on: the asked or default one, or a free one when taken."""
+        return port_or_free(self.ports.get(name) or DEFAULT_PORTS.get(name))
 
 
 @dataclass
@@ -61,7 +72,7 @@ class Stack:
         try:
             bootstrap = self.opts.bootstrap_servers or self._start_broker(logs)
             tracking = self.opts.tracking_uri or self._start_mlflow(logs)
-            ports = {"engine": free_port(), "ingest": free_port(), "scheduler": free_port()}
+            ports = {"engine": self.opts.port("engine"), "ingest": free_port(), "scheduler": free_port()}
             token = secrets.token_hex(16)
             cfg = self._config(bootstrap, tracking, ports, token)
             self.config_path = home / "run" / "tide.yaml"
@@ -85,6 +96,7 @@ class Stack:
                 "data": str(Path(cfg["ingest"]["data_dir"])), "logs": str(logs),
                 "config": str(self.config_path)})
             self._start_prometheus(logs, ports)
+            self._start_page(logs, conf, env, ports["scheduler"])
             self.control_token = token
         except BaseException:
             self.stop()
@@ -110,7 +122,7 @@ class Stack:
         return f"127.0.0.1:{port}"
 
     def _start_mlflow(self, logs: Path) -> str:
-        port = free_port()
+        port = self.opts.port("mlflow")
         root = self.opts.home / "mlflow"
         root.mkdir(parents=True, exist_ok=True)
         svc = ServiceProcess("mlflow", [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
@@ -126,7 +138,7 @@ class Stack:
     def parts(self) -> list[str]:
         """The processes ``start`` launches: the ones this machine and the options allow."""
         return ([] if self.opts.bootstrap_servers else ["broker"]) + ([] if self.opts.tracking_uri else ["MLflow"]) \
-            + ["engine", "ingest", "scheduler"] + (["Prometheus"] if self._prometheus_binary() else [])
+            + ["engine", "ingest", "scheduler"] + (["Prometheus"] if self._prometheus_binary() else []) + ["page"]
 
     def _prometheus_binary(self) -> str | None:
         return prometheus.binary() if self.opts.prometheus else None
@@ -139,7 +151,8 @@ class Stack:
             return
         try:
             svc, base = prometheus.start(exe, self.opts.home, logs / "prometheus.log",
-                                         {f"tide-{name}": f"127.0.0.1:{p}" for name, p in ports.items()})
+                                         {f"tide-{name}": f"127.0.0.1:{p}" for name, p in ports.items()},
+                                         port=self.opts.port("prometheus"))
         except Exception as exc:  # noqa: BLE001 - the loop runs without its dashboard
             log.warning("prometheus did not start (%s); the dashboard is off", exc)
             self.endpoints["dashboard"] = f"off (prometheus did not start; see {logs / 'prometheus.log'})"
@@ -147,6 +160,14 @@ class Stack:
         self.services.append(svc)
         self.endpoints["prometheus"] = base
         self.endpoints["dashboard"] = prometheus.graph_url(base)
+
+    def _start_page(self, logs: Path, conf: list[str], env: dict[str, str], scheduler_port: int) -> None:
+        port = self.opts.port("page")
+        args = [*conf, "--port", str(port), "--scheduler", f"http://127.0.0.1:{scheduler_port}",
+                "--prometheus", self.endpoints.get("prometheus", "")]
+        self._run(python_service("page", "tide.services.page", args, logs, env,
+                                 f"http://127.0.0.1:{port}/health"))
+        self.endpoints["page"] = f"http://127.0.0.1:{port}/"
 
     def _config(self, bootstrap: str, tracking: str, ports: dict[str, int], token: str) -> dict:
         home = self.opts.home
@@ -172,5 +193,9 @@ class Stack:
         self.services.clear()
 
     def describe(self) -> str:
-        width = max(len(k) for k in self.endpoints)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in self.endpoints.items())
+        """The banner: the page and the MLflow UI first (what a user opens), then the rest."""
+        first = [("page", self.endpoints.get("page")), ("mlflow UI", self.endpoints.get("mlflow"))]
+        rows = [(k, v) for k, v in first if v] + [(k, v) for k, v in self.endpoints.items()
+                                                   if k not in ("page", "mlflow")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -1,18 +1,21 @@
-"""What ``tide up`` says it starts: only the parts the options and this machine allow."""
+"""What ``tide up`` says it starts: only the parts the options and this machine allow; the ports
+it picks: the asked or default one, or a free one when another process holds it."""
 import shutil
+import socket
 
 import yaml
 
 from tide.config import load_config
-from tide.stack import Stack, StackOptions
+from tide.process import port_or_free
+from tide.stack import DEFAULT_PORTS, Stack, StackOptions
 
 
 def test_parts_leave_out_external_services_and_a_disabled_prometheus(tmp_path):
     local = Stack(StackOptions(tmp_path, prometheus=False))
-    assert local.parts == ["broker", "MLflow", "engine", "ingest", "scheduler"]
+    assert local.parts == ["broker", "MLflow", "engine", "ingest", "scheduler", "page"]
     external = Stack(StackOptions(tmp_path, bootstrap_servers="kafka:9092", tracking_uri="http://mlflow:5000",
                                   prometheus=False))
-    assert external.parts == ["engine", "ingest", "scheduler"]
+    assert external.parts == ["engine", "ingest", "scheduler", "page"]
 
 
 def test_parts_name_prometheus_only_when_its_binary_is_installed(tmp_path):
@@ -27,3 +30,24 @@ def test_stack_config_points_capture_and_ingest_at_one_kafka_section(tmp_path):
                                                  {"engine": 1, "ingest": 2, "scheduler": 3}, "t")))
     cfg = load_config(path, env={})  # loads: no key the config rejects
     assert cfg.kafka.bootstrap_servers == "127.0.0.1:9999" and cfg.capture.enabled
+
+
+def test_a_taken_port_falls_back_to_a_free_one_and_a_free_one_is_kept(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        fallback = port_or_free(taken)
+        assert fallback != taken and fallback > 0
+        with socket.socket() as probe:  # the fallback is bindable now
+            probe.bind(("127.0.0.1", fallback))
+        opts = StackOptions(tmp_path, ports={"page": taken})
+        assert opts.port("page") != taken
+    with socket.socket() as s:  # released: the asked port is kept
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert StackOptions(tmp_path, ports={"engine": free}).port("engine") == free
+
+
+def test_default_ports_are_the_documented_ones():
+    assert DEFAULT_PORTS == {"engine": 8000, "mlflow": 5000, "prometheus": 9090, "page": 8090}
