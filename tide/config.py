@@ -169,12 +169,12 @@ class TrainConfig:
     """Offline/online EAGLE3 training."""
 
     # 4 = the default draft_len: deeper TTT steps train draft positions that are never used, and
-    # each step costs as much as the first (measured ~3 ms/token/step on one CPU thread)
+    # each step costs as much as the first (bench/retrain.py measures a retrain's cost)
     ttt_length: int = 4
     step_weight_decay: float = 0.8
-    # warm starts on small fresh windows (measured on SmolLM2 code traffic after ShareGPT, 30
-    # requests, replay 1.0: lr 1e-3 x 8 epochs 1.07 -> 1.34 on held-out code, chat kept at 97%;
-    # x 3 epochs only 1.22; lr 2e-3 and 3e-3 forgot more chat for no code gain)
+    # warm starts on small fresh windows: a low rate over several passes adapts to the new traffic
+    # while keeping the old; higher rates forgot the old workload for no gain on the new one
+    # (docs/benchmarks.md, "Findings")
     lr: float = 1e-3
     epochs: int = 8  # passes over the window; a max_train_s cap shrinks the schedule to fit
     batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory

@@ -4,8 +4,8 @@ the auto-promotion policy (held-out simulated acceptance >= 2% over the static d
 margin) and swapped into the engine -> live acceptance on the shifted (code) workload higher than
 the static drafter's before the swap; with --keep-up the stack then stays up, its page loaded in
 headless Chromium shows data in every panel (swap and shift marked), and SIGTERM stops it
-cleanly. (Measured here: challenger 1.30-1.32 vs static 1.09-1.20 simulated, live 1.23 vs 1.17
-after the swap; the quick retrain starts at 7.5k captured tokens and trains up to 120 s.)"""
+cleanly. (The quick retrain starts at 7.5k captured tokens and trains up to 120 s; figures from
+these runs are in docs/benchmarks.md.)"""
 import json
 import os
 import re

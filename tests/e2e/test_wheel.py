@@ -147,7 +147,8 @@ def test_wheel_in_a_fresh_venv_runs_the_stack(venv, tmp_path):
         deadline = time.monotonic() + UP_TIMEOUT_S
         out.until("TIDE is up:", deadline)
         ends = _endpoints(out.until("Ctrl-C stops everything.", deadline))
-        for name in ("engine", "engine metrics", "ingest metrics", "scheduler metrics", "kafka", "mlflow", "config"):
+        for name in ("engine", "engine metrics", "ingest metrics", "scheduler metrics", "kafka", "mlflow UI",
+                     "page", "config"):
             assert name in ends, (name, ends)
 
         # every service reports healthy
@@ -158,7 +159,9 @@ def test_wheel_in_a_fresh_venv_runs_the_stack(venv, tmp_path):
                 r = http.get(ends[name].removesuffix("/metrics") + "/health")
                 assert r.status_code == 200, (name, r.text)
                 assert http.get(ends[name]).status_code == 200
-            assert http.get(ends["mlflow"] + "/health").status_code == 200
+            assert http.get(ends["mlflow UI"] + "/health").status_code == 200
+            page = http.get(ends["page"])  # the loop page, served from the installed package
+            assert page.status_code == 200 and 'data-panel="' in page.text, page.text[:2000]
             if "prometheus" in ends:  # the dashboard runs when the prometheus binary is installed
                 assert http.get(ends["prometheus"] + "/-/ready").status_code == 200
             assert _tcp_accepts(ends["kafka"])

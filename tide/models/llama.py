@@ -139,10 +139,9 @@ class Linears:
     memory, and what speculative decoding pays per step is the verify/decode cost ratio. MKL's
     small-M sgemm reads the weights at under half its gemv speed for M=2..8 (a 5-token verify cost
     ~2x a decode); oneDNN with weights reordered once keeps M=5 within ~1.5x; with the row kernel
-    (``rowkernel.py``, one pass over the weights for up to 6 rows) a whole forward at 150 cached
-    tokens costs 1.00/1.15/1.12/1.14/1.15x of a decode for 2..6 query tokens
-    (``bench/forward.py``; 1.03/1.13/1.23/1.35/1.46x with two rows per pass), and it is
-    batch-invariant: a token's logits are bitwise
+    (``rowkernel.py``, one pass over the weights for up to 6 rows) a whole forward costs little
+    more than a decode for up to 6 query tokens (``bench/forward.py``; docs/benchmarks.md), and it
+    is batch-invariant: a token's logits are bitwise
     the same in a decode and in a verify. It is single-threaded, so it serves up to
     ``ROW_KERNEL_MAX_ROWS`` rows when torch runs on one thread; larger batches and multi-threaded
     engines keep torch's kernels, which are not batch-invariant (rows differ by ~4e-5 between

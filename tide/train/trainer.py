@@ -27,7 +27,7 @@ from tide.train.objective import Batch, eagle3_loss, simulated_acceptance, targe
 
 # steps after which a wall-time cap resizes the schedule to the steps that fit: early (the first
 # steps include warm-up costs and few batch shapes), then again on a steadier average (a single
-# early estimate ended a retrain measured here at 130 s of its 200 s cap)
+# early estimate over-counts the warm-up and ends a retrain well before its cap)
 CAP_ESTIMATE_STEPS = (5, 20)
 
 
