@@ -13,7 +13,7 @@ demo: install
 
 test: install
 	$(PY) -m ruff check tide tests bench scripts
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25 tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

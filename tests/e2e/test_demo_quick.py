@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from stack_ports import stack_port_flags
 
 from tide.dataset import DatasetIndex
 
@@ -63,7 +64,7 @@ def test_quick_demo_closes_the_loop(tmp_path):
     out_path = tmp_path / "demo.out"
     with open(out_path, "w") as out:  # --keep-up: the stack and its page stay up after the report
         proc = subprocess.Popen([sys.executable, "-m", "tide.cli", "--home", str(home), "demo", "--quick",
-                                 "--keep-up", "--report", str(report)], cwd=REPO, stdout=out,
+                                 "--keep-up", "--report", str(report), *stack_port_flags()], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_line(proc, out_path, KEPT_UP, timeout_s=1200)

