@@ -257,7 +257,7 @@ def from_prefill(ctx: CaptureContext, batch: Any, result: Any) -> DeviceCapture 
             metrics.CAPTURE_DROPPED_STEPS.labels("prefix_cached").inc()
             meta = None
         if meta is not None and n > 0:
-            tokens = torch.tensor(list(req.fill_ids[prefix:prefix + n]), dtype=torch.int64)
+            tokens = torch.tensor(list(req.full_untruncated_fill_ids[prefix:prefix + n]), dtype=torch.int64)
             slices.append(_Slice(i, meta, row=sum(s.rows for s in slices), rows=n, start_position=prefix,
                                  tokens=tokens))
             starts.append(offset)
