@@ -225,3 +225,18 @@ def test_a_prompt_whose_start_was_cached_is_not_captured(sglang, tiny_target):
     assert from_prefill(ctx, batch, result) is None
     assert metrics.CAPTURE_DROPPED_STEPS.labels("prefix_cached")._value.get() == dropped + 1
     assert ctx.meta_for(req) is None  # its later verify steps are not captured either
+
+
+def test_a_full_tap_queue_drops_and_counts_and_stops_copying_that_request(sglang, tiny_target):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    sink = ListSink()
+    ctx = CaptureContext(sink=sink, policy=SamplingPolicy(1.0), target_model_id="tiny",
+                         aux_layer_ids=tiny_target.aux_layer_ids, version=lambda: "1", queue_full=lambda: True)
+    req = _req("busy", list(range(10, 20)))
+    h = tiny_target.shape.hidden_size
+    batch = _batch([req], ForwardMode.EXTEND, prefix_lens=[0], extend_lens=[10])
+    dropped = metrics.CAPTURE_DROPPED_STEPS.labels("queue_full")._value.get()
+    assert from_prefill(ctx, batch, _result(torch.randn(10, 3 * h), torch.randn(10, h))) is None
+    assert metrics.CAPTURE_DROPPED_STEPS.labels("queue_full")._value.get() == dropped + 1
+    assert ctx.meta_for(req) is None  # a record with a hole would teach wrong transitions

@@ -35,6 +35,8 @@ def build_sglang_draft(folder: Path):
     finally:
         rope._is_cpu = cpu
     model.load_weights(load_file(str(folder / "model.safetensors")).items())
+    with torch.no_grad():  # SGLang shares the target's embeddings into the draft; none here (uninitialised memory)
+        model.model.embed_tokens.weight.zero_()
     return model
 
 
