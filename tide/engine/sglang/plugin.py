@@ -11,8 +11,11 @@ launcher.py), so installing TIDE next to SGLang changes nothing by itself. Hooks
    are captured): its LogitsProcessor also returns the final normed hidden states
    (``last_hidden_states``, SGLang's own field for aux-capture mode), so the prefill and verify
    graphs write them into their static output buffers on every replay;
-3. AFTER ``EAGLEWorkerV2.forward_batch_generation``: the capture of this prefill or verify
-   (capture.py), attached as the result's device auxiliary output.
+3. AFTER ``EAGLEWorkerV2.verify`` (``batch.spec_info`` is still the verify input there, and the
+   target's verify outputs are not yet overwritten by the draft extend that follows) and AROUND
+   ``EAGLEWorkerV2._forward_prefill_batch`` (the chunk lengths are read before the draft extend
+   rewrites the batch's): the capture of this verify or prefill (capture.py), attached as the
+   result's device auxiliary output.
 ``load_draft`` is the ``--custom-weight-loader`` of TIDE's draft-only swaps (weights.py): SGLang
 calls it with ``update_weights_from_tensor(selector="draft")`` between scheduler iterations.
 Nothing raised here may reach SGLang's loop after start-up: failures are logged and counted.
@@ -37,7 +40,8 @@ VERSION_ENV = "TIDE_SGLANG_DRAFTER_VERSION"  # the version of the drafter the se
 HOOK_TARGETS = {
     "startup": "sglang.srt.managers.scheduler.Scheduler.__init__",
     "final_hidden": "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends",
-    "capture": "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation",
+    "verify": "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify",
+    "prefill": "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._forward_prefill_batch",
 }
 
 
@@ -67,7 +71,8 @@ def register() -> None:
 
     HookRegistry.register(HOOK_TARGETS["startup"], on_scheduler_init, HookType.BEFORE)
     HookRegistry.register(HOOK_TARGETS["final_hidden"], after_attention_backends, HookType.AFTER)
-    HookRegistry.register(HOOK_TARGETS["capture"], after_forward, HookType.AFTER)
+    HookRegistry.register(HOOK_TARGETS["verify"], after_verify, HookType.AFTER)
+    HookRegistry.register(HOOK_TARGETS["prefill"], around_prefill, HookType.AROUND)
     log.info("TIDE plugin registered its hooks")
 
 
@@ -135,22 +140,41 @@ def after_attention_backends(result: Any, runner: Any, *args: Any, **kwargs: Any
         log.exception("TIDE plugin: could not enable the final hidden states; capture is off")
 
 
-def after_forward(result: Any, worker: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``EAGLEWorkerV2.forward_batch_generation``: attach this forward's capture."""
-    from tide import metrics
-    from tide.engine.sglang.capture import from_prefill, from_verify
+def after_verify(result: Any, worker: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``EAGLEWorkerV2.verify``: attach this verify's capture."""
+    from tide.engine.sglang.capture import from_verify
 
     ctx = PROCESS.ctx
-    if ctx is None or result is None or batch is None or worker._draft_worker is None:
+    if ctx is None or result is None or worker._draft_worker is None or batch.forward_mode.is_idle():
         return
+    _attach_safely(result, lambda: from_verify(ctx, batch, result))
+
+
+def around_prefill(original: Any, worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``EAGLEWorkerV2._forward_prefill_batch``: the chunk layout before, the capture after."""
+    from types import SimpleNamespace
+
+    from tide.engine.sglang.capture import from_prefill
+
+    ctx = PROCESS.ctx
+    layout = None
+    if ctx is not None and worker._draft_worker is not None and not batch.forward_mode.is_idle():
+        layout = SimpleNamespace(reqs=list(batch.reqs), prefix_lens=list(batch.prefix_lens),
+                                 extend_lens=list(batch.extend_lens))
+    result = original(worker, batch, *args, **kwargs)
+    if layout is not None and result is not None:
+        _attach_safely(result, lambda: from_prefill(ctx, layout, result))
+    return result
+
+
+def _attach_safely(result: Any, build: Any) -> None:
+    from tide import metrics
+
     try:
-        mode = batch.forward_mode
-        if mode.is_idle():
-            return
-        capture = from_prefill(ctx, batch, result) if mode.is_extend() else from_verify(ctx, batch, result)
+        capture = build()
         if capture is not None:
             attach(result, capture)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - this step is not captured; serving goes on
         log.exception("TIDE plugin: capture hook failed; this step is not captured")
         metrics.CAPTURE_DROPPED_STEPS.labels("tap_error").inc()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from array import array
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ from tide.capture.assembler import PendingRequest, build_record
 from tide.capture.sampling import SamplingPolicy
 from tide.engine.base import GenerationRequest, SamplingParams, StepCapture
 from tide.engine.reference import ReferenceEngine
-from tide.engine.sglang.capture import CaptureContext, from_prefill, from_verify
-from tide.engine.sglang.plugin import attach
+from tide.engine.sglang import plugin
+from tide.engine.sglang.capture import CaptureContext, from_prefill
 
 ND = 4  # SGLang's speculative_num_draft_tokens: the root + 3 drafts
 # accept lengths (accepted drafts + the bonus) per request, cycled step by step
@@ -123,10 +124,15 @@ def _verify_input(draft_token, positions, bs):
                             seq_lens_cpu=None)
 
 
+WORKER = SimpleNamespace(_draft_worker=object())  # an EAGLEWorkerV2 hosting the draft (last PP rank)
+
+
 def _through_sglang(ctx, prompts, steps, opt_out=()):
-    """Replays the reference's positions through SGLang objects; returns the plugin's captures."""
+    """Replays the reference's positions through SGLang objects and the plugin's hooks."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    plugin.PROCESS.ctx = ctx
 
     streams = {}
     for rid in prompts:
@@ -139,7 +145,8 @@ def _through_sglang(ctx, prompts, steps, opt_out=()):
     batch = _batch([reqs[r] for r in order], ForwardMode.EXTEND, prefix_lens=[0] * 3,
                    extend_lens=[len(prompts[r]) for r in order])
     result = _result(torch.cat([s.aux_hidden for s in prefill]), torch.cat([s.final_hidden for s in prefill]))
-    attach(result, from_prefill(ctx, batch, result))
+    # the hook sees the batch before the draft extend rewrites its lengths
+    assert plugin.around_prefill(lambda worker, b: result, WORKER, batch) is result
     _process(batch, result, lambda: [reqs[r].output_ids.append(int(streams[r][0][0])) for r in order])
 
     done, step, noise = {r: 0 for r in order}, 0, torch.Generator().manual_seed(5)
@@ -164,7 +171,7 @@ def _through_sglang(ctx, prompts, steps, opt_out=()):
                          next_token_ids=torch.cat([b["predict"] for b in blocks]).to(torch.int32),
                          accept_lens=torch.tensor([b["n"] for b in blocks], dtype=torch.int32),
                          speculative_num_draft_tokens=ND)
-        attach(result, from_verify(ctx, batch, result))
+        plugin.after_verify(result, WORKER, batch)
 
         def commit(live=live, blocks=blocks):
             for r, b in zip(live, blocks):

@@ -35,7 +35,8 @@ def test_hook_targets_exist_with_the_arguments_the_hooks_take(sglang):
         assert params[0] == "self", key
     assert list(inspect.signature(pkgutil.resolve_name(plugin.HOOK_TARGETS["startup"])).parameters)[1] == \
         "server_args"
-    assert list(inspect.signature(pkgutil.resolve_name(plugin.HOOK_TARGETS["capture"])).parameters)[1] == "batch"
+    for key in ("verify", "prefill"):
+        assert list(inspect.signature(pkgutil.resolve_name(plugin.HOOK_TARGETS[key])).parameters)[1] == "batch"
 
 
 def test_register_is_inert_without_tide_and_registers_its_hooks_with_it(sglang, monkeypatch):
@@ -51,7 +52,8 @@ def test_register_is_inert_without_tide_and_registers_its_hooks_with_it(sglang, 
         kinds = {t: [(k, h) for k, h, _ in HookRegistry._hooks[t]] for t in plugin.HOOK_TARGETS.values()}
         assert (HookType.BEFORE, plugin.on_scheduler_init) in kinds[plugin.HOOK_TARGETS["startup"]]
         assert (HookType.AFTER, plugin.after_attention_backends) in kinds[plugin.HOOK_TARGETS["final_hidden"]]
-        assert (HookType.AFTER, plugin.after_forward) in kinds[plugin.HOOK_TARGETS["capture"]]
+        assert (HookType.AFTER, plugin.after_verify) in kinds[plugin.HOOK_TARGETS["verify"]]
+        assert (HookType.AROUND, plugin.around_prefill) in kinds[plugin.HOOK_TARGETS["prefill"]]
     finally:
         for t in plugin.HOOK_TARGETS.values():  # not applied: leave SGLang's classes as they are
             HookRegistry._hooks[t] = [e for e in HookRegistry._hooks[t] if e[1].__module__ != plugin.__name__]
