@@ -17,7 +17,7 @@ except ImportError:
     sys.exit("gpu_check_sglang.sh: SGLang is not installed (pip install -e '.[sglang]')")
 if not torch.cuda.is_available():
     sys.exit("gpu_check_sglang.sh: no CUDA GPU visible")
-from tide.engine.sglang.compat import version_supported
+from tide.engine.sglang.server_args import version_supported
 if not version_supported(sglang.__version__):
     sys.exit(f"gpu_check_sglang.sh: SGLang {sglang.__version__} is outside the plugin's supported range")
 PY

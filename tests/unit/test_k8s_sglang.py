@@ -17,7 +17,7 @@ from test_k8s_manifests import K8S, OBJECTS, _docs, _env, _named
 
 from tide.config import load_config
 from tide.drafter.static import PACKAGED
-from tide.engine.sglang.launcher import server_command
+from tide.engine.sglang.server_args import server_command
 from tide.schedule import kubernetes_launcher
 
 GPU = {"sglang-nvidia": "nvidia.com/gpu", "sglang-amd": "amd.com/gpu"}

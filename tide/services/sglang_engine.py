@@ -2,7 +2,7 @@
 
 Steps: load config → the drafter the server starts with (the registry's ``champion`` when the
 registry answers, else ``drafter.path``) → start SGLang's server with TIDE's plugin
-(tide/engine/sglang/launcher.py; its log in <home>/logs/sglang.log) and wait until it answers
+(tide/engine/sglang/server_args.py; its log in <home>/logs/sglang.log) and wait until it answers
 ``/health`` → ``SGLangEngine`` over its HTTP API → the drafter follower (champion, collapse
 guard) unless ``ops.follow_registry`` is off → TIDE's HTTP app on ``server.port`` (the OpenAI
 routes proxy to SGLang; /control/*, /health, /metrics as with the reference engine) → serve until
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tide.engine.server import build_app, serve
     from tide.engine.sglang.engine import SGLangEngine
-    from tide.engine.sglang.launcher import server_command, server_env
+    from tide.engine.sglang.server_args import server_command, server_env
     from tide.ops.control_api import control_plane
     from tide.process import ServiceProcess
 

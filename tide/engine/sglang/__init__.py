@@ -5,9 +5,9 @@
   draft-only weight loader; runs inside SGLang's scheduler processes.
 - capture.py: SGLang's batch/result objects -> TIDE StepCaptures (committed positions only).
 - weights.py: a TIDE drafter folder checked against and loaded into SGLang's EAGLE3 draft model.
-- compat.py: the supported SGLang versions and the start-up checks.
+- server_args.py: the supported SGLang releases, the start-up checks, and the server command and
+  environment ``tide serve --engine sglang`` (tide/services/sglang_engine.py) starts SGLang with.
 - engine.py: ``SGLangEngine``, the engine contract (tide/engine/base.py) over SGLang's HTTP API,
   for the drafter follower, the control API and the demo; draft-only swaps.
-- launcher.py: ``tide serve --engine sglang``: the SGLang server command, then TIDE beside it.
-Nothing here imports sglang at module level except plugin.py, which only SGLang loads.
+Nothing here imports sglang at module level; plugin.py only inside the hooks SGLang calls.
 """

@@ -1,6 +1,6 @@
 """``SGLangEngine``: the engine contract (tide/engine/base.py) over a running SGLang server's HTTP API.
 
-Runs in TIDE's process beside the server (launcher.py), so the drafter follower, the collapse
+Runs in TIDE's process beside the server (server_args.py), so the drafter follower, the collapse
 guard, the control API and the OpenAI front end work unchanged. Capture does not pass through
 here: the plugin inside SGLang's scheduler produces it (plugin.py). Members:
 - ``submit``: ``POST /generate`` with the prompt's token ids, streamed; ``custom_params`` carry the
@@ -9,12 +9,14 @@ here: the plugin inside SGLang's scheduler produces it (plugin.py). Members:
   (weights.prepare: artifact, sha256, shape = the serving draft model's, vocab mapping = the
   serving one). No smoke decode: SGLang verifies every drafted token with the target, so a
   drafter cannot change output, only acceptance (the collapse guard watches that);
-- ``swap_drafter``: SGLang's weight-update session for the draft only:
-  ``/begin_weight_update`` -> ``/update_weights_from_tensor`` -> ``/end_weight_update``, each with
-  ``selector: "draft"`` (the default "all" also loads the target); the tensor is a manifest,
-  loaded by TIDE's loader (``load_format``), ``flush_cache`` off (requests keep running). Applied
-  when the loader's ``tide_engine_drafter_info`` names the version, else ``DrafterError`` and the
-  old drafter keeps serving;
+- ``swap_drafter``: ``/pause_generation`` in place (running requests stay resident; without it the
+  update would wait for every in-flight request to end), then SGLang's weight-update session for
+  the draft only: ``/begin_weight_update`` -> ``/update_weights_from_tensor`` ->
+  ``/end_weight_update``, each with ``selector: "draft"`` (the default "all" also loads the
+  target); the tensor is a manifest, loaded by TIDE's loader (``load_format``), ``flush_cache``
+  off; then ``/continue_generation``. Applied when the loader's ``tide_engine_drafter_info`` names
+  the version, else ``DrafterError`` and the old drafter keeps serving. SGLang refuses tensor
+  updates with data-parallel replicas (dp_size > 1);
 - ``stats``: the plugin's ``tide_engine_*`` counters read back from SGLang's ``/metrics``.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tide.drafter.artifact import DrafterError, read_metadata
 from tide.engine.base import CaptureSink, Engine, EngineStats, GenerationRequest, TokenEvent
 from tide.engine.sglang import weights
 from tide.engine.sglang.capture import CAPTURE_PARAM, WORKLOAD_PARAM
-from tide.engine.sglang.compat import LOADER
+from tide.engine.sglang.server_args import LOADER
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +105,18 @@ class SGLangEngine(Engine):
     def swap_drafter(self, drafter: SGLangDrafter, version: str) -> None:
         t0 = time.perf_counter()
         named = weights.manifest(drafter.folder, version)
-        self._post("/begin_weight_update", {"selector": "draft"})
+        self._post("/pause_generation", {"mode": "in_place"})
         try:
-            self._post("/update_weights_from_tensor", {
-                "serialized_named_tensors": serialize_named_tensors(named, self.tp_size),
-                "load_format": LOADER, "selector": "draft", "flush_cache": False,
-                "abort_all_requests": False, "weight_version": str(version)})
+            self._post("/begin_weight_update", {"selector": "draft"})
+            try:
+                self._post("/update_weights_from_tensor", {
+                    "serialized_named_tensors": serialize_named_tensors(named, self.tp_size),
+                    "load_format": LOADER, "selector": "draft", "flush_cache": False,
+                    "abort_all_requests": False, "weight_version": str(version)})
+            finally:
+                self._post("/end_weight_update", {})
         finally:
-            self._post("/end_weight_update", {})
+            self._post("/continue_generation", {})
         if self.served_versions() != {str(version)}:
             raise DrafterError(f"SGLang's TIDE loader did not apply {version} (serving "
                                f"{sorted(self.served_versions())}); see the server log")

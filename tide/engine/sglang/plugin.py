@@ -3,8 +3,8 @@
 SGLang's ``load_plugins()`` runs ``register`` in each of its processes (server, tokenizer,
 scheduler, detokenizer) before any model load, then ``HookRegistry.apply_hooks()`` patches the
 targets below. Inert unless the server was started by TIDE (``TIDE_SGLANG_CONFIG`` set, see
-launcher.py), so installing TIDE next to SGLang changes nothing by itself. Hooks:
-1. BEFORE ``Scheduler.__init__``: the start-up checks (compat.py; a clear error, the scheduler
+server_args.py), so installing TIDE next to SGLang changes nothing by itself. Hooks:
+1. BEFORE ``Scheduler.__init__``: the start-up checks (server_args.py; a clear error, the scheduler
    does not start), then this process's capture context: the TIDE config, the tap and producer
    thread (only on attention-TP rank 0: every rank computes the same rows);
 2. AFTER ``ModelRunner.init_attention_backends`` of the *target* runner (before its CUDA graphs
@@ -31,12 +31,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tide.engine.sglang import compat
+from tide.engine.sglang import server_args
 
 log = logging.getLogger(__name__)
 
-CONFIG_ENV = "TIDE_SGLANG_CONFIG"  # path of the TIDE config file ("" = defaults); unset = inert
-VERSION_ENV = "TIDE_SGLANG_DRAFTER_VERSION"  # the version of the drafter the server starts with
+CONFIG_ENV, VERSION_ENV = server_args.CONFIG_ENV, server_args.VERSION_ENV
 HOOK_TARGETS = {
     "startup": "sglang.srt.managers.scheduler.Scheduler.__init__",
     "final_hidden": "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends",
@@ -83,13 +82,14 @@ def _load_config():
     return load_config(path)
 
 
-def on_scheduler_init(scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE ``Scheduler.__init__``: raise on an unsupported server, else set up capture."""
+def on_scheduler_init(scheduler: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+    """BEFORE ``Scheduler.__init__(self, server_args, port_args)``: raise on an unsupported server,
+    else set up capture."""
     import sglang
 
     cfg = _load_config()
-    compat.check_startup(sglang.__version__, server_args, cfg.capture.enabled)
-    start_capture(cfg, str(server_args.model_path), capture_rank())
+    server_args.check_startup(sglang.__version__, args, cfg.capture.enabled)
+    start_capture(cfg, str(args.model_path), capture_rank())
 
 
 def capture_rank() -> bool:

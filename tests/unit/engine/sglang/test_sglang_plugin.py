@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tide.config import TideConfig
-from tide.engine.sglang import compat, plugin
+from tide.engine.sglang import plugin, server_args
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -69,17 +69,17 @@ def _server_args(**fields):
 def test_the_scheduler_refuses_to_start_outside_what_the_plugin_supports(sglang, monkeypatch):
     monkeypatch.setenv(plugin.CONFIG_ENV, "")
     monkeypatch.setenv("TIDE_CAPTURE__ENABLED", "true")  # the plugin reads TIDE's config (file + env)
-    good = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, custom_weight_loader=[compat.LOADER])
-    assert compat.startup_problems(sglang.__version__, _server_args(**good), capture=True) == []
+    good = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, custom_weight_loader=[server_args.LOADER])
+    assert server_args.startup_problems(sglang.__version__, _server_args(**good), capture=True) == []
     cases = {"EAGLE3": dict(good, speculative_algorithm="EAGLE"),
              "topk 1": dict(good, speculative_eagle_topk=4),
              "custom-weight-loader": dict(good, custom_weight_loader=[])}
     for needle, fields in cases.items():
-        with pytest.raises(compat.SGLangPluginError, match=needle):
+        with pytest.raises(server_args.SGLangPluginError, match=needle):
             plugin.on_scheduler_init(None, _server_args(**fields))
-    with pytest.raises(compat.SGLangPluginError, match="outside the supported range"):
-        compat.check_startup("0.5.14", _server_args(**good), capture=True)
-    assert compat.version_supported(sglang.__version__)
+    with pytest.raises(server_args.SGLangPluginError, match="outside the supported range"):
+        server_args.check_startup("0.5.14", _server_args(**good), capture=True)
+    assert server_args.version_supported(sglang.__version__)
 
 
 def test_the_target_logits_processor_returns_final_hidden_states_once_flagged(sglang_dist, tiny_drafter, tmp_path):
@@ -110,3 +110,13 @@ def test_the_target_logits_processor_returns_final_hidden_states_once_flagged(sg
     plugin.after_attention_backends(None, runner)
     assert lp._get_last_hidden_states_to_store(hidden, aux, meta) is hidden
     assert plugin.PROCESS.ctx.aux_layer_ids == (1, 2, 3)  # TIDE's convention: the layers they feed
+
+
+def test_importing_the_plugin_loads_neither_prometheus_client_nor_torch():
+    """register() runs in SGLang's main process before it sets PROMETHEUS_MULTIPROC_DIR."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tide.engine.sglang.plugin; "
+            "sys.exit(sorted({'prometheus_client', 'torch'} & set(sys.modules)) or 0)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
