@@ -102,21 +102,29 @@ class SGLangEngine(Engine):
         weights.prepare(folder, self._serving_shape, self._serving_mapping)
         return SGLangDrafter(folder, read_metadata(folder)["sha256"])
 
-    def swap_drafter(self, drafter: SGLangDrafter, version: str) -> None:
-        t0 = time.perf_counter()
+    def swap_bodies(self, drafter: SGLangDrafter, version: str) -> dict[str, dict]:
+        """The JSON bodies of one swap, by SGLang route, in the order they are sent."""
         named = weights.manifest(drafter.folder, version)
-        self._post("/pause_generation", {"mode": "in_place"})
-        try:
-            self._post("/begin_weight_update", {"selector": "draft"})
-            try:
-                self._post("/update_weights_from_tensor", {
+        return {"/pause_generation": {"mode": "in_place"},
+                "/begin_weight_update": {"selector": "draft"},
+                "/update_weights_from_tensor": {
                     "serialized_named_tensors": serialize_named_tensors(named, self.tp_size),
                     "load_format": LOADER, "selector": "draft", "flush_cache": False,
-                    "abort_all_requests": False, "weight_version": str(version)})
+                    "abort_all_requests": False, "weight_version": str(version)},
+                "/end_weight_update": {}, "/continue_generation": {}}
+
+    def swap_drafter(self, drafter: SGLangDrafter, version: str) -> None:
+        t0 = time.perf_counter()
+        body = self.swap_bodies(drafter, version)
+        self._post("/pause_generation", body["/pause_generation"])
+        try:
+            self._post("/begin_weight_update", body["/begin_weight_update"])
+            try:
+                self._post("/update_weights_from_tensor", body["/update_weights_from_tensor"])
             finally:
-                self._post("/end_weight_update", {})
+                self._post("/end_weight_update", body["/end_weight_update"])
         finally:
-            self._post("/continue_generation", {})
+            self._post("/continue_generation", body["/continue_generation"])
         if self.served_versions() != {str(version)}:
             raise DrafterError(f"SGLang's TIDE loader did not apply {version} (serving "
                                f"{sorted(self.served_versions())}); see the server log")
@@ -147,9 +155,13 @@ class SGLangEngine(Engine):
             out["sampling_seed"] = sp.seed
         return out
 
-    def _stream(self, request: GenerationRequest) -> Iterator[TokenEvent]:
-        body = {"input_ids": list(request.prompt_ids), "sampling_params": self._sampling(request),
+    def generate_body(self, request: GenerationRequest) -> dict:
+        """The ``/generate`` JSON body of ``request`` (streamed, token ids in and out)."""
+        return {"input_ids": list(request.prompt_ids), "sampling_params": self._sampling(request),
                 "stream": True, "rid": request.request_id}
+
+    def _stream(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        body = self.generate_body(request)
         sent, outcome = 0, "error"
         try:
             with self._open("/generate", body) as resp:
@@ -186,15 +198,21 @@ class SGLangEngine(Engine):
     def stats(self) -> EngineStats:
         with self._lock:
             st = self._stats.copy()
+        st.acceptance = self.acceptance_of(self._metrics())
+        st.target_forwards = sum(v[0] for v in st.acceptance.values())
+        return st
+
+    @staticmethod
+    def acceptance_of(samples: list[tuple[str, dict, float]]) -> dict[str, list[int]]:
+        """EngineStats.acceptance from the plugin's series: version -> [target forwards (request
+        rows), accepted draft tokens, committed tokens] (summed over SGLang's processes)."""
         acc: dict[str, list[int]] = {}
-        for name, labels, value in self._metrics():
+        for name, labels, value in samples:
             slot = {"tide_engine_target_forwards_total": 0, "tide_engine_accepted_draft_tokens_total": 1,
                     "tide_engine_accept_length_tokens_sum": 2}.get(name)
             if slot is not None:
                 acc.setdefault(labels["drafter_version"], [0, 0, 0])[slot] += int(value)
-        st.acceptance = acc
-        st.target_forwards = sum(v[0] for v in acc.values())
-        return st
+        return acc
 
     def health(self) -> dict[str, Any]:
         try:
@@ -230,13 +248,17 @@ class SGLangEngine(Engine):
         return answer
 
     def _metrics(self) -> list[tuple[str, dict, float]]:
-        from prometheus_client.parser import text_string_to_metric_families
-
         try:
             with self._open("/metrics", None, timeout_s=10.0) as resp:
-                text = resp.read().decode()
+                return tide_samples(resp.read().decode())
         except OSError as exc:
             log.warning("SGLang /metrics unreachable: %s", exc)
             return []
-        return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text)
-                for s in fam.samples if s.name.startswith("tide_engine_")]
+
+
+def tide_samples(text: str) -> list[tuple[str, dict, float]]:
+    """The tide_engine_* samples of a Prometheus exposition (SGLang's /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name.startswith("tide_engine_")]
