@@ -80,6 +80,11 @@ def _define_torchvision_ops() -> None:
 def _import_sglang():
     if SITE.is_dir() and str(SITE) not in sys.path:
         sys.path.append(str(SITE))
+    cached = sys.modules.get("sglang")
+    if cached is not None and getattr(cached, "__file__", None) is None:
+        # this folder is named sglang too: an import before SITE was on sys.path found it as a
+        # namespace package; the real one (a regular package) wins once SITE is there
+        del sys.modules["sglang"]
     _define_torchvision_ops()
     try:
         import sglang
