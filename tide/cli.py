@@ -53,6 +53,11 @@ def _service_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "reference") == "sglang":
+        from tide.services.sglang_engine import main as sglang_main
+
+        target = ["--target", args.target] if args.target else []
+        return sglang_main(_service_argv(args) + target)
     from tide.services.engine import main as engine_main
 
     return engine_main(_service_argv(args))
@@ -207,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                             "run the retrain scheduler (python -m tide.services.scheduler)")):
         p = sub.add_parser(name, help=what)
         p.set_defaults(fn=fn)
+        if name == "serve":
+            p.add_argument("--engine", choices=("reference", "sglang"), default="reference",
+                           help="sglang: run an SGLang server with TIDE's plugin (python -m tide.services.sglang_engine)")
+            p.add_argument("--target", help="(--engine sglang) the target model for SGLang (overrides sglang.target)")
 
     p = sub.add_parser("ask", help="answer one prompt in-process")
     p.add_argument("prompt")

@@ -297,6 +297,19 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class SGLangConfig:
+    """The SGLang engine (``tide serve --engine sglang``, tide/engine/sglang/): its server's command."""
+
+    target: str = ""  # the target for SGLang (HF folder or hub id); --target overrides; required
+    host: str = "127.0.0.1"  # where the SGLang server listens (TIDE's own port is server.port)
+    port: int = 30000
+    tp_size: int = 1
+    extra_args: tuple[str, ...] = ()  # appended to the server command (AMD: --disable-custom-all-reduce)
+    startup_timeout_s: float = 1800.0  # model load + CUDA graph capture
+    request_timeout_s: float = 600.0  # one generate or weight-update call
+
+
+@dataclass(frozen=True)
 class TideConfig:
     """All components; each service reads the sections it needs."""
 
@@ -312,6 +325,7 @@ class TideConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
     home: str = ""  # empty = default_home()
 
     @property

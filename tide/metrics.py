@@ -31,6 +31,9 @@ ENGINE_DRAFTER_FAILURES = Counter(
     "tide_engine_drafter_failures_total", "Decode steps where the drafter raised and the step ran target-only")
 ENGINE_DRAFTER_INFO = Gauge("tide_engine_drafter_info", "1 for the drafter version now serving",
                             ["drafter_version"])
+ENGINE_DRAFTER_LOADS = Counter(
+    "tide_engine_drafter_loads_total", "Drafter loads inside the engine process (SGLang's TIDE loader), by outcome",
+    ["outcome"])
 ENGINE_SWAP_PAUSE_SECONDS = Histogram(
     "tide_engine_swap_pause_seconds", "Time the decode loop spent applying one drafter swap",
     buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1))

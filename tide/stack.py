@@ -53,6 +53,10 @@ class StackOptions:
     overrides: dict = field(default_factory=dict)  # extra config sections (demo settings)
     prometheus: bool = True  # start a local Prometheus when the binary is installed
     ports: dict[str, int] = field(default_factory=dict)  # overrides DEFAULT_PORTS by name
+    # the engine service: the reference engine, or tide.services.sglang_engine (+ "--target", PATH)
+    engine_module: str = "tide.services.engine"
+    engine_args: tuple[str, ...] = ()
+    engine_timeout_s: float = 900.0  # model load (SGLang: + CUDA graph capture)
 
     def port(self, name: str) -> int:
         """The port ``name`` listens on: the asked or default one, or a free one when taken."""
@@ -81,8 +85,9 @@ class Stack:
             self.config_path.chmod(0o600)  # holds the control token
             env = {"TIDE_HOME": str(home)}
             conf = ["--config", str(self.config_path)]
-            self._run(python_service("engine", "tide.services.engine", conf, logs, env,
-                                     f"http://127.0.0.1:{ports['engine']}/health"), timeout_s=900)
+            self._run(python_service("engine", self.opts.engine_module, [*conf, *self.opts.engine_args], logs, env,
+                                     f"http://127.0.0.1:{ports['engine']}/health"),
+                      timeout_s=self.opts.engine_timeout_s)
             self._run(python_service("ingest", "tide.services.ingest", conf, logs, env,
                                      f"http://127.0.0.1:{ports['ingest']}/health"))
             self._run(python_service("scheduler", "tide.services.scheduler", conf, logs, env,

@@ -1,8 +1,9 @@
 """The engine contract (tide/engine/base.py): what every engine must do, whichever runs it.
 
 Each test talks to engines only through ``Engine``. An engine joins the suite by adding a builder
-to ENGINE_BUILDERS that returns an EngineUnderTest for a tiny model: the reference engine today;
-the SGLang plugin's builder (a tiny model in a real SGLang server) goes next to it.
+to ENGINE_BUILDERS that returns an EngineUnderTest for a tiny model. Every contract test runs for
+every engine except those NOT_RUN lists for it, each with its reason: for SGLang, the tests that
+need a running SGLang server (a GPU); scripts/gpu_check_sglang.sh covers them on one.
 """
 from __future__ import annotations
 
@@ -34,11 +35,8 @@ class EngineUnderTest:
         self.target_only.close()
 
 
-def _reference(tiny_target, tiny_drafter, tmp: Path) -> EngineUnderTest:
-    def engine(drafter, version):
-        return ReferenceEngine(tiny_target, None, drafter, version, target_model_id="tiny", draft_len=3,
-                               max_batch_size=4, max_seq_len=200)
-
+def _drafters(tiny_target, tiny_drafter, tmp: Path) -> tuple[Path, Path, list[list[int]]]:
+    """A valid candidate (another drafter, same vocab mapping), a misfit, and prompts."""
     other = new_drafter(tiny_target, tiny_drafter.shape.draft_vocab_size, torch.zeros(512), seed=7)
     other.set_vocab_mapping(tiny_drafter.d2t.clone())
     candidate = save_drafter(other.eval(), tmp / "candidate")
@@ -48,13 +46,56 @@ def _reference(tiny_target, tiny_drafter, tmp: Path) -> EngineUnderTest:
     (misfit / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
+    return candidate, misfit, prompts
+
+
+def _reference(tiny_target, tiny_drafter, tmp: Path) -> EngineUnderTest:
+    def engine(drafter, version):
+        return ReferenceEngine(tiny_target, None, drafter, version, target_model_id="tiny", draft_len=3,
+                               max_batch_size=4, max_seq_len=200)
+
+    candidate, misfit, prompts = _drafters(tiny_target, tiny_drafter, tmp)
     return EngineUnderTest(engine(tiny_drafter, "1"), engine(None, "none"), candidate, misfit, prompts)
 
 
-ENGINE_BUILDERS: dict[str, Callable[..., EngineUnderTest]] = {"reference": _reference}
+def _sglang(tiny_target, tiny_drafter, tmp: Path) -> EngineUnderTest:
+    """SGLangEngine with its serving drafter but no server behind it (none runs without a GPU)."""
+    from tide.engine.sglang.engine import SGLangEngine
+
+    candidate, misfit, prompts = _drafters(tiny_target, tiny_drafter, tmp)
+    serving = save_drafter(tiny_drafter, tmp / "serving")
+    engine = SGLangEngine("http://127.0.0.1:9", serving, "1", target_model_id="tiny", max_seq_len=200,
+                          timeout_s=5.0)
+    return EngineUnderTest(engine, engine, candidate, misfit, prompts)
 
 
-@pytest.fixture(params=sorted(ENGINE_BUILDERS))
+ENGINE_BUILDERS: dict[str, Callable[..., EngineUnderTest]] = {"reference": _reference, "sglang": _sglang}
+_SERVER = "needs a running SGLang server (GPU): scripts/gpu_check_sglang.sh"
+NOT_RUN: dict[str, dict[str, str]] = {"sglang": {
+    "test_greedy_output_is_the_target_alone_in_a_batch": _SERVER,
+    "test_capture_offers_every_fed_position_once_and_never_a_rejected_one":
+        _SERVER + "; the conversion itself: tests/unit/engine/sglang/test_sglang_capture.py",
+    "test_a_swap_applies_between_steps_of_a_running_request_and_stays_lossless":
+        _SERVER + "; the weight path itself: tests/unit/engine/sglang/test_sglang_weights.py",
+    "test_serving_goes_on_after_a_refused_drafter": _SERVER,
+}}
+
+
+def pytest_generate_tests(metafunc):
+    if "eut" in metafunc.fixturenames:
+        name = metafunc.function.__name__
+        engines = [e for e in sorted(ENGINE_BUILDERS) if name not in NOT_RUN.get(e, {})]
+        metafunc.parametrize("eut", engines, indirect=True)
+
+
+def test_every_engine_runs_every_contract_test_it_does_not_list():
+    tests = {n for n in globals() if n.startswith("test_") and "eut" in globals()[n].__code__.co_varnames}
+    for engine, listed in NOT_RUN.items():
+        assert engine in ENGINE_BUILDERS and set(listed) <= tests, engine
+        assert set(listed) != tests  # an engine that runs nothing is not in the suite
+
+
+@pytest.fixture
 def eut(request, tiny_target, tiny_drafter, tmp_path):
     built = ENGINE_BUILDERS[request.param](tiny_target, tiny_drafter, tmp_path)
     yield built
@@ -143,11 +184,18 @@ def test_a_swap_applies_between_steps_of_a_running_request_and_stays_lossless(eu
     assert eut.engine.drafter_version == "1" and eut.engine.drafter is before
 
 
-def test_a_drafter_for_another_target_is_refused_and_serving_goes_on(eut):
+def test_a_drafter_for_another_target_is_refused(eut):
     with pytest.raises(DrafterError, match="hidden"):
         eut.engine.validate_drafter(eut.misfit, eut.prompts[0][:4])
     with pytest.raises(DrafterError):
         eut.engine.validate_drafter(eut.misfit.parent / "missing", eut.prompts[0][:4])
+    assert eut.engine.drafter_version == "1"
+    assert eut.engine.validate_drafter(eut.candidate, eut.prompts[0][:4]) is not None  # a fitting one passes
+
+
+def test_serving_goes_on_after_a_refused_drafter(eut):
+    with pytest.raises(DrafterError):
+        eut.engine.validate_drafter(eut.misfit, eut.prompts[0][:4])
     assert eut.engine.drafter_version == "1"
     assert len(_run(eut.engine, "still", eut.prompts[0], 8)) == 8
 

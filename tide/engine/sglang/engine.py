@@ -1,0 +1,264 @@
+"""``SGLangEngine``: the engine contract (tide/engine/base.py) over a running SGLang server's HTTP API.
+
+Runs in TIDE's process beside the server (server_args.py), so the drafter follower, the collapse
+guard, the control API and the OpenAI front end work unchanged. Capture does not pass through
+here: the plugin inside SGLang's scheduler produces it (plugin.py). Members:
+- ``submit``: ``POST /generate`` with the prompt's token ids, streamed; ``custom_params`` carry the
+  workload tag and the capture opt-out to the plugin (capture.py);
+- ``validate_drafter``: off the serving path, the same checks SGLang's TIDE loader repeats
+  (weights.prepare: artifact, sha256, shape = the serving draft model's, vocab mapping = the
+  serving one). No smoke decode: SGLang verifies every drafted token with the target, so a
+  drafter cannot change output, only acceptance (the collapse guard watches that);
+- ``swap_drafter``: ``/pause_generation`` in place (running requests stay resident; without it the
+  update would wait for every in-flight request to end), then SGLang's weight-update session for
+  the draft only: ``/begin_weight_update`` -> ``/update_weights_from_tensor`` ->
+  ``/end_weight_update``, each with ``selector: "draft"`` (the default "all" also loads the
+  target); the tensor is a manifest, loaded by TIDE's loader (``load_format``), ``flush_cache``
+  off; then ``/continue_generation``. Applied when the loader's ``tide_engine_drafter_info`` names
+  the version, else ``DrafterError`` and the old drafter keeps serving. SGLang refuses tensor
+  updates with data-parallel replicas (dp_size > 1);
+- ``stats``: the plugin's ``tide_engine_*`` counters read back from SGLang's ``/metrics``.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import pickle
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from tide.drafter.artifact import DrafterError, read_metadata
+from tide.engine.base import CaptureSink, Engine, EngineStats, GenerationRequest, TokenEvent
+from tide.engine.sglang import weights
+from tide.engine.sglang.capture import CAPTURE_PARAM, WORKLOAD_PARAM
+from tide.engine.sglang.server_args import LOADER
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SGLangDrafter:
+    """A validated drafter folder: the handle ``swap_drafter`` takes and a rollback re-serves."""
+
+    folder: Path
+    sha256: str
+
+
+def serialize_named_tensors(named: list, tp_size: int) -> list[str]:
+    """``serialized_named_tensors`` of /update_weights_from_tensor: one entry per TP rank. Plain
+    pickle keeps CPU tensors inline (SGLang's SafeUnpickler accepts them); ForkingPickler would
+    send file descriptors that only live while this process does."""
+    payload = base64.b64encode(pickle.dumps(named)).decode()
+    return [payload] * tp_size
+
+
+class SGLangEngine(Engine):
+    def __init__(self, base_url: str, serving_folder: Path, version: str, *, target_model_id: str,
+                 max_seq_len: int, tokenizer: Any = None, tp_size: int = 1, timeout_s: float = 600.0,
+                 api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.target_model_id = target_model_id
+        self.max_seq_len = max_seq_len
+        self.tp_size = tp_size
+        self.timeout_s = timeout_s
+        self._api_key = api_key
+        folder = Path(serving_folder)
+        self._serving_shape = weights.shape_of_config(json.loads((folder / "config.json").read_text()))
+        meta = read_metadata(folder)
+        if "vocab_mapping" not in meta:
+            raise DrafterError(f"{folder}: tide.json has no vocab_mapping")
+        self._serving_mapping = meta["vocab_mapping"]
+        self._drafter = SGLangDrafter(folder, meta.get("sha256", ""))
+        self._version = version
+        self._last_swap_pause_s = 0.0
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+
+    # --- identity -----------------------------------------------------------------------------
+    @property
+    def drafter_version(self) -> str:
+        return self._version
+
+    @property
+    def drafter(self) -> SGLangDrafter:
+        return self._drafter
+
+    @property
+    def last_swap_pause_s(self) -> float:
+        return self._last_swap_pause_s
+
+    # --- drafters -----------------------------------------------------------------------------
+    def validate_drafter(self, folder: Path, smoke_prompt_ids: list[int]) -> SGLangDrafter:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise DrafterError(f"{folder}: not a drafter folder")
+        weights.prepare(folder, self._serving_shape, self._serving_mapping)
+        return SGLangDrafter(folder, read_metadata(folder)["sha256"])
+
+    def swap_bodies(self, drafter: SGLangDrafter, version: str) -> dict[str, dict]:
+        """The JSON bodies of one swap, by SGLang route, in the order they are sent."""
+        named = weights.manifest(drafter.folder, version)
+        return {"/pause_generation": {"mode": "in_place"},
+                "/begin_weight_update": {"selector": "draft"},
+                "/update_weights_from_tensor": {
+                    "serialized_named_tensors": serialize_named_tensors(named, self.tp_size),
+                    "load_format": LOADER, "selector": "draft", "flush_cache": False,
+                    "abort_all_requests": False, "weight_version": str(version)},
+                "/end_weight_update": {}, "/continue_generation": {}}
+
+    def swap_drafter(self, drafter: SGLangDrafter, version: str) -> None:
+        t0 = time.perf_counter()
+        body = self.swap_bodies(drafter, version)
+        self._post("/pause_generation", body["/pause_generation"])
+        try:
+            self._post("/begin_weight_update", body["/begin_weight_update"])
+            try:
+                self._post("/update_weights_from_tensor", body["/update_weights_from_tensor"])
+            finally:
+                self._post("/end_weight_update", body["/end_weight_update"])
+        finally:
+            self._post("/continue_generation", body["/continue_generation"])
+        if self.served_versions() != {str(version)}:
+            raise DrafterError(f"SGLang's TIDE loader did not apply {version} (serving "
+                               f"{sorted(self.served_versions())}); see the server log")
+        self._last_swap_pause_s = time.perf_counter() - t0
+        self._drafter, self._version = drafter, str(version)
+
+    def served_versions(self) -> set[str]:
+        """Versions the plugin's loaders report serving (one per scheduler process)."""
+        return {labels["drafter_version"] for name, labels, value in self._metrics()
+                if name == "tide_engine_drafter_info" and value == 1.0}
+
+    # --- generation ---------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        total = len(request.prompt_ids) + request.sampling.max_new_tokens
+        if not request.prompt_ids or total > self.max_seq_len:
+            raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                             f"({request.sampling.max_new_tokens}) must be in 1..{self.max_seq_len}")
+        return self._stream(request)
+
+    def _sampling(self, request: GenerationRequest) -> dict:
+        sp = request.sampling
+        out = {"max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+               "ignore_eos": sp.ignore_eos, "stop_token_ids": list(sp.stop_token_ids),
+               "custom_params": {WORKLOAD_PARAM: request.workload, CAPTURE_PARAM: request.capture}}
+        if sp.top_k > 0:  # SGLang's default is "all"
+            out["top_k"] = sp.top_k
+        if sp.seed is not None:
+            out["sampling_seed"] = sp.seed
+        return out
+
+    def generate_body(self, request: GenerationRequest) -> dict:
+        """The ``/generate`` JSON body of ``request`` (streamed, token ids in and out)."""
+        return {"input_ids": list(request.prompt_ids), "sampling_params": self._sampling(request),
+                "stream": True, "rid": request.request_id}
+
+    def _stream(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        body = self.generate_body(request)
+        sent, outcome = 0, "error"
+        try:
+            with self._open("/generate", body) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    ids = chunk.get("output_ids") or []  # cumulative (SGLang's default streaming)
+                    reason = (chunk.get("meta_info", {}).get("finish_reason") or {}).get("type")
+                    new, sent = tuple(ids[sent:]), max(sent, len(ids))
+                    if reason is not None:
+                        outcome = "ok" if reason in ("stop", "length") else "error"
+                        yield TokenEvent(new, True, reason if outcome == "ok" else "error",
+                                         None if outcome == "ok" else f"SGLang finished with {reason}")
+                        return
+                    if new:
+                        yield TokenEvent(new)
+            yield TokenEvent((), True, "error", "SGLang closed the stream without a finish reason")
+        except (OSError, ValueError) as exc:
+            yield TokenEvent((), True, "error", f"SGLang request failed: {exc}")
+        finally:
+            with self._lock:
+                self._stats.tokens_generated += sent
+                self._stats.requests_finished += int(outcome == "ok")
+                self._stats.requests_failed += int(outcome != "ok")
+
+    # --- reading --------------------------------------------------------------------------------
+    def set_capture_sink(self, sink: CaptureSink | None) -> None:
+        """Capture runs inside SGLang (the plugin's tap); a sink here would never be offered a step."""
+        if sink is not None:
+            raise ValueError("SGLang captures inside its scheduler; configure capture.* for the plugin")
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            st = self._stats.copy()
+        st.acceptance = self.acceptance_of(self._metrics())
+        st.target_forwards = sum(v[0] for v in st.acceptance.values())
+        return st
+
+    @staticmethod
+    def acceptance_of(samples: list[tuple[str, dict, float]]) -> dict[str, list[int]]:
+        """EngineStats.acceptance from the plugin's series: version -> [target forwards (request
+        rows), accepted draft tokens, committed tokens] (summed over SGLang's processes)."""
+        acc: dict[str, list[int]] = {}
+        for name, labels, value in samples:
+            slot = {"tide_engine_target_forwards_total": 0, "tide_engine_accepted_draft_tokens_total": 1,
+                    "tide_engine_accept_length_tokens_sum": 2}.get(name)
+            if slot is not None:
+                acc.setdefault(labels["drafter_version"], [0, 0, 0])[slot] += int(value)
+        return acc
+
+    def health(self) -> dict[str, Any]:
+        try:
+            with self._open("/health", None, timeout_s=5.0):
+                reachable = True
+        except OSError:
+            reachable = False
+        return {"drafter_version": self._version, "target_model_id": self.target_model_id,
+                "server_reachable": reachable, "last_swap_pause_s": self._last_swap_pause_s}
+
+    def close(self) -> None:
+        """The server belongs to the launcher, which stops it."""
+
+    # --- HTTP -----------------------------------------------------------------------------------
+    def _open(self, path: str, body: dict | None, timeout_s: float | None = None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base_url + path, data=data, method="POST" if data else "GET")
+        req.add_header("Content-Type", "application/json")
+        if self._api_key:
+            req.add_header("Authorization", f"Bearer {self._api_key}")
+        return urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s)
+
+    def _post(self, path: str, body: dict) -> dict:
+        try:
+            with self._open(path, body) as resp:
+                answer = json.loads(resp.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            raise DrafterError(f"SGLang {path}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
+        except OSError as exc:
+            raise DrafterError(f"SGLang {path}: {exc}") from exc
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise DrafterError(f"SGLang {path}: {answer.get('message')}")
+        return answer
+
+    def _metrics(self) -> list[tuple[str, dict, float]]:
+        try:
+            with self._open("/metrics", None, timeout_s=10.0) as resp:
+                return tide_samples(resp.read().decode())
+        except OSError as exc:
+            log.warning("SGLang /metrics unreachable: %s", exc)
+            return []
+
+
+def tide_samples(text: str) -> list[tuple[str, dict, float]]:
+    """The tide_engine_* samples of a Prometheus exposition (SGLang's /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name.startswith("tide_engine_")]
