@@ -283,3 +283,45 @@ def test_values_that_crashed_or_wedged_ingest_are_dead_lettered_and_ingest_goes_
             assert len(message.key) < len(huge_key)
             assert headers["tide-dead-letter-key-truncated-from"] == str(len(huge_key))
     assert reasons == {value: reason for value, reason in bad}
+
+
+def test_a_replay_after_failed_commits_does_not_resurrect_deleted_rows(memory_broker, topic_name,
+                                                                       tmp_path, capture_kit, wait):
+    """Files are written but their offsets never committed (a second consumer group over the same
+    data dir replays everything, as after a crash before the commit). In between, one request is
+    deleted (``tide data delete``) and retention expires the oldest file: the replay writes
+    neither back, and writes nothing twice."""
+    import dataclasses
+
+    from tide.dataset.retention import apply_retention, delete_request
+
+    bs = memory_broker.bootstrap_servers
+    first, kafka = _config(bs, topic_name, topic_name + ".first")
+    ensure_topics(first, kafka)
+    producer = KafkaProducer(bootstrap_servers=bs, acks="all")
+    for i in range(24):  # capture times one second apart, oldest first
+        rec = dataclasses.replace(_record(f"r{i}", 6, i), started_at_s=1.7e9 + i - 1, finished_at_s=1.7e9 + i)
+        producer.send(topic_name, key=b"k", value=encode(rec))
+    producer.flush()
+    producer.close()
+    data_dir = tmp_path / "data"
+    with capture_kit.IngestThread(first, kafka, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 24, 30, what="first pass")
+
+    index = DatasetIndex(data_dir)
+    assert delete_request(data_dir, "r13", index) == 1
+    oldest = index.files()[0]
+    expired = apply_retention(data_dir, index, ttl_s=3600, max_bytes=1 << 40,
+                              now_s=oldest.max_time_s + 3600 + 1e-3)
+    assert expired == [oldest.path]
+    gone = {f"r{i}" for i in range(24) if 1.7e9 + i <= oldest.max_time_s} | {"r13"}
+    index.close()
+
+    replay, _ = _config(bs, topic_name, topic_name + ".replay")
+    with capture_kit.IngestThread(replay, kafka, data_dir):
+        consumer = KafkaConsumer(bootstrap_servers=bs, group_id=replay.group_id)
+        wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == 24, 30, what="replay committed")
+        consumer.close()
+    stored = [r for p in list_files(data_dir)
+              for r in pq.read_table(p, columns=["request_id"]).column("request_id").to_pylist()]
+    assert sorted(stored) == sorted(f"r{i}" for i in range(24) if f"r{i}" not in gone)

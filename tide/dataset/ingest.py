@@ -101,6 +101,7 @@ class Ingestor:
         self._last_retention_s = time.monotonic()
         self._last_poll_s: float | None = None
         self._backoff = WriteBackoff(config.write_backoff_initial_s, config.write_backoff_max_s)
+        self._paused_partitions = 0  # for /health (read on its thread)
         self.last_error = ""  # why the last open() failed (the service retries it)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -167,7 +168,8 @@ class Ingestor:
         details = {"state": "stalled" if stalled else "consuming", "last_poll_age_s": round(age_s, 1),
                    "open_partitions": len(self._parts), "seals_in_flight": len(self._seals)}
         if self._backoff.failing and not stalled:  # disk_full | write_error: not ready
-            return False, {**details, **self._backoff.details(now)}
+            return False, {**details, **self._backoff.details(now),
+                           "paused_partitions": self._paused_partitions}
         return not stalled, details
 
     def close(self, flush: bool = True) -> None:
@@ -318,6 +320,7 @@ class Ingestor:
         self._rewind(tp, offset)
         self._backoff.failed(exc, time.monotonic())
         self._consumer.pause(*self._consumer.assignment())
+        self._paused_partitions = len(self._consumer.paused())
 
     def _resume(self) -> None:
         """End of a backoff: make the index match the disk (a seal may have renamed its file but
@@ -331,6 +334,7 @@ class Ingestor:
             return
         self._backoff.retrying()
         self._consumer.resume(*self._consumer.paused())
+        self._paused_partitions = 0
 
     def _rewind(self, tp: Any, offset: int) -> None:
         """Drop everything held for ``tp`` after ``offset`` and consume it again."""
@@ -358,6 +362,7 @@ class Ingestor:
         self.forget_partitions(partitions)
         if self._backoff.blocked:  # a new assignment starts unpaused
             self._consumer.pause(*partitions)
+            self._paused_partitions = len(self._consumer.paused())
 
     # --- maintenance ----------------------------------------------------------------------------
     def retention(self) -> None:
