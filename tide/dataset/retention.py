@@ -8,7 +8,9 @@ after a failed commit; chunks that were in an open file during the deletion).
 ``apply_retention`` steps:
 1. plan: files whose newest capture is older than ``ttl_s``, then, while the dataset is over
    ``max_bytes``, the file with the oldest newest-capture;
-2. raise the retention cut to ``now - ttl_s`` and to the newest capture of the planned files;
+2. raise the retention cut to ``now - ttl_s`` and to the newest capture of the planned files
+   (on a full disk that refuses the index's write, after unlinking them: retention is how space
+   comes back);
 3. delete: unlink first, then drop the index entry (a crash in between leaves a stale entry that
    ``DatasetIndex.reconcile`` removes).
 ``delete_request`` steps: record the request as deleted -> reconcile the index (a file renamed
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import time
 from pathlib import Path
 
@@ -62,7 +65,13 @@ def apply_retention(data_dir: Path, index: DatasetIndex, ttl_s: float, max_bytes
                 break
             plan.append((stats.path, "size", stats.max_time_s))
             total -= stats.bytes
-        index.raise_retention_cut(max([now_s - ttl_s] + [t for _, _, t in plan]))
+        cut_s = max([now_s - ttl_s] + [t for _, _, t in plan])
+        try:
+            index.raise_retention_cut(cut_s)
+        except sqlite3.Error:  # a full disk refuses the index's write: make room first
+            for rel, _, _ in plan:
+                (data_dir / rel).unlink(missing_ok=True)
+            index.raise_retention_cut(cut_s)
         for rel, reason, _ in plan:
             _delete(data_dir, index, rel, reason)
     return [rel for rel, _, _ in plan]

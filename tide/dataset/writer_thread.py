@@ -105,7 +105,8 @@ class WriterThread:
     def _publish_without(self, open_file: OpenFile, deleted: set[str], cut_s: float,
                          created_at_s: float) -> list[FileStats]:
         """The rare path: the file holds rows the dataset deleted meanwhile; publish the rest."""
-        table = pq.ParquetFile(open_file.temporary).read()
+        with pq.ParquetFile(open_file.temporary) as parquet:  # closed before it is unlinked
+            table = parquet.read()
         kept = without_rows(table, deleted, cut_s)
         of_deleted = table.num_rows - without_rows(table, deleted, float("-inf")).num_rows
         metrics.INGEST_DROPPED_ROWS.labels("request_deleted").inc(of_deleted)

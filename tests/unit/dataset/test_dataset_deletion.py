@@ -200,3 +200,19 @@ def test_delete_marks_the_request_even_when_nothing_is_stored(tmp_path):
     apply_retention(tmp_path, index, ttl_s=60, max_bytes=1 << 40, now_s=started - 3600)
     assert index.retention_cut_s() == started - 60  # the cut never moves back
     index.close()
+
+
+def test_retention_frees_a_full_disk(small_filesystem, helpers):
+    """The runbook's remedy for a full disk: retention must work when the disk is full."""
+    fs = small_filesystem(8 << 20)
+    data = fs.path / "ds"
+    index = DatasetIndex(data)
+    for i in range(3):
+        stats, rids = helpers.write_file(data, [helpers.make_record(f"r{i}", t=400, at_s=T0 + i, seed=i)],
+                                         first_offset=i)
+        index.add(stats, rids)
+    fs.fill()
+    deleted = apply_retention(data, index, ttl_s=3600, max_bytes=1 << 40, now_s=T0 + 3601.5)
+    assert len(deleted) == 2 and _stored_ids(data) == ["r2"]
+    assert index.retention_cut_s() == T0 + 1.5 and index.summary()["files"] == 1
+    index.close()
