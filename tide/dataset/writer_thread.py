@@ -78,8 +78,7 @@ class WriterThread:
                         continue
                     except BaseException as exc:
                         error = exc
-                self._failed.pop(id(open_file), None)
-                open_file.discard()
+                self._discard(open_file)
             if error is not None:
                 future.set_exception(error)
             else:
@@ -123,13 +122,16 @@ class WriterThread:
     def discard(self, files: list[OpenFile]) -> None:
         def task() -> None:
             for open_file in files:
-                self._failed.pop(id(open_file), None)
-                try:
-                    open_file.discard()
-                except OSError:
-                    log.exception("discarding a temporary file failed")
+                self._discard(open_file)
 
         self._tasks.put(task)
+
+    def _discard(self, open_file: OpenFile) -> None:
+        self._failed.pop(id(open_file), None)
+        try:
+            open_file.discard()
+        except OSError:  # must not keep a seal's future from being resolved
+            log.exception("discarding a temporary file failed")
 
     def wait_idle(self) -> None:
         """Block until every submitted task has run."""

@@ -5,12 +5,17 @@ import errno
 import os
 import sqlite3
 
-from tide import metrics
+from prometheus_client import REGISTRY
+
 from tide.dataset.backoff import DISK_FULL, WRITE_ERROR, WriteBackoff, failure_reason
 
 
 def _gauge(reason: str) -> float:
-    return metrics.INGEST_WRITE_BLOCKED.labels(reason)._value.get()
+    return REGISTRY.get_sample_value("tide_ingest_write_blocked", {"reason": reason})
+
+
+def _backoff_s() -> float:
+    return REGISTRY.get_sample_value("tide_ingest_write_backoff_seconds")
 
 
 def test_wait_doubles_per_failed_retry_up_to_the_cap_and_resets_on_success():
@@ -27,10 +32,10 @@ def test_wait_doubles_per_failed_retry_up_to_the_cap_and_resets_on_success():
         b.retrying()
     assert delays == [1.0, 2.0, 4.0, 5.0, 5.0]
     assert b.failing and b.reason == DISK_FULL and _gauge(DISK_FULL) == 1 and _gauge(WRITE_ERROR) == 0
-    assert metrics.INGEST_WRITE_BACKOFF_SECONDS._value.get() == 5.0
+    assert _backoff_s() == 5.0
     b.succeeded()
     assert not b.failing and _gauge(DISK_FULL) == 0
-    assert metrics.INGEST_WRITE_BACKOFF_SECONDS._value.get() == 0
+    assert _backoff_s() == 0
     b.failed(RuntimeError("broker"), now)
     assert b.delay_s == 1.0 and b.reason == WRITE_ERROR and _gauge(WRITE_ERROR) == 1
     details = b.details(now + 0.25)
