@@ -123,8 +123,8 @@ class Record:
                 raise RecordError(f"{name}={t!r} is not a Unix time in [0, {MAX_CAPTURE_TIME_S:.0f})",
                                   DEAD_INVALID)
         if not 0 <= self.chunk_index < self.chunk_count <= INT32_MAX:
-            raise RecordError(f"chunk_index {self.chunk_index} outside [0, {self.chunk_count})",
-                              DEAD_INVALID)
+            raise RecordError(f"chunk_index {self.chunk_index} / chunk_count {self.chunk_count}: need "
+                              "0 <= index < count < 2**31", DEAD_INVALID)
         ints = (self.hidden_size, self.position_start, self.request_num_tokens, *self.aux_layer_ids)
         if not all(0 <= x <= INT32_MAX for x in ints) or len(self.aux_layer_ids) > MAX_AUX_LAYERS:
             raise RecordError(f"hidden_size, position_start, request_num_tokens and (at most "
