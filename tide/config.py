@@ -149,6 +149,12 @@ class IngestConfig:
     max_partition_fetch_bytes: int = 4 * 1024 * 1024
     fetch_max_bytes: int = 16 * 1024 * 1024
     dead_letter_max_bytes: int = 1_000_000  # dead-lettered values beyond this are truncated
+    # a record captured further in the future than this is dead-lettered (invalid): it would
+    # never expire, and retention's size cut would then drop everything older
+    max_clock_skew_s: float = 24 * 3600.0
+    # a failed write (full disk, ...) stops consumption for this long, doubling per failed retry
+    write_backoff_initial_s: float = 1.0
+    write_backoff_max_s: float = 60.0
     file_max_rows: int = 2048
     file_max_bytes: int = 256 * 1024 * 1024
     roll_interval_s: float = 60.0  # an open file is closed and committed at least this often

@@ -14,6 +14,10 @@ HIDDEN_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1}
 DEAD_MALFORMED = "malformed"  # not a record: bad magic, CRC, header or sizes
 DEAD_UNKNOWN_VERSION = "unknown_version"  # a schema version this ingest cannot read
 DEAD_OVERSIZED = "oversized"  # larger than ingest.max_record_bytes
+# a well-formed record whose values the dataset cannot hold: NaN/inf/out-of-range times, ids too
+# long or not printable UTF-8, integers beyond int32, negative token ids, loss mask not 0/1
+DEAD_INVALID = "invalid"
+DEAD_UNPROCESSABLE = "unprocessable"  # ingest failed on this record unexpectedly (a bug: see the log)
 
 # --- the retrain command's result file (``tide train --online --result-json``) ---
 RETRAIN_REGISTERED = "registered"  # a challenger version was registered

@@ -96,6 +96,16 @@ INGEST_DATASET_FILES = Gauge("tide_ingest_dataset_files", "Parquet files in the 
 INGEST_RETENTION_DELETED = Counter(
     "tide_ingest_retention_deleted_files_total", "Files deleted or rewritten by retention, by reason",
     ["reason"])  # ttl | size | request
+INGEST_WRITE_BLOCKED = Gauge(
+    "tide_ingest_write_blocked", "1 from a failed write until one succeeds; ingest consumes nothing "
+    "while it waits (by reason)", ["reason"])  # disk_full | write_error
+INGEST_WRITE_BACKOFF_SECONDS = Gauge("tide_ingest_write_backoff_seconds",
+                                     "Current wait before ingest retries a failed write (0 = writing)")
+INGEST_WRITE_FAILURES = Counter("tide_ingest_write_failures_total",
+                                "Failed seals (file, index or dead letters), by reason", ["reason"])
+INGEST_DROPPED_ROWS = Counter(
+    "tide_ingest_dropped_rows_total", "Consumed rows not written because the dataset already "
+    "deleted them, by reason", ["reason"])  # request_deleted | expired
 
 # --- scheduler (tide/schedule/) -------------------------------------------------------------------
 SCHED_RETRAINS_LAUNCHED = Counter("tide_scheduler_retrains_launched_total",

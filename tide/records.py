@@ -19,20 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from tide.contracts import DEAD_MALFORMED, DEAD_OVERSIZED, DEAD_UNKNOWN_VERSION, HIDDEN_ITEMSIZE
+from tide.contracts import DEAD_INVALID, DEAD_MALFORMED, DEAD_OVERSIZED, DEAD_UNKNOWN_VERSION, HIDDEN_ITEMSIZE
 
 SCHEMA_VERSION = 1
 MAGIC = b"TIDR"
 _PREFIX = struct.Struct("<4sHI")  # magic, schema version, header length
 _CRC = struct.Struct("<I")
 _MAX_HEADER_BYTES = 64 * 1024
-
+# value limits (``validate``; also in the schema file): what the dataset can store and index
+MAX_ID_CHARS = 256  # request_id, target_model_id (1..this), drafter_version (0..this)
+MAX_WORKLOAD_CHARS = 64  # the engine API's own limit for the tag
+MAX_AUX_LAYERS = 16
+MAX_CAPTURE_TIME_S = 4_102_444_800.0  # 2100-01-01T00:00:00Z: times are Unix seconds in [0, this)
+INT32_MAX = 2**31 - 1  # every integer header value and token id is stored as int32
 
 
 class RecordError(ValueError):
@@ -96,10 +102,36 @@ class Record:
         if len(self.final_hidden) != t * self.hidden_size * item:
             raise RecordError(f"final_hidden has {len(self.final_hidden)} bytes, expected "
                               f"{t}x{self.hidden_size}x{item}")
-        if not 0 <= self.chunk_index < self.chunk_count:
-            raise RecordError(f"chunk_index {self.chunk_index} outside [0, {self.chunk_count})")
-        if self.position_start < 0 or self.request_num_tokens < 0:
-            raise RecordError("position_start and request_num_tokens must be >= 0")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Values the dataset can store and index (reason ``invalid``): checked here, because
+        otherwise they fail only when the Parquet file is written or a time becomes a directory."""
+        texts = (("request_id", MAX_ID_CHARS, 1), ("target_model_id", MAX_ID_CHARS, 1),
+                 ("drafter_version", MAX_ID_CHARS, 0), ("workload", MAX_WORKLOAD_CHARS, 1))
+        for name, limit, least in texts:
+            value = getattr(self, name)
+            if value is None and name == "workload":
+                continue
+            if not isinstance(value, str) or not least <= len(value) <= limit:
+                raise RecordError(f"{name} must be {least}-{limit} characters", DEAD_INVALID)
+            if not value.isprintable() or not _is_utf8(value):
+                raise RecordError(f"{name} must be printable UTF-8 text", DEAD_INVALID)
+        for name in ("started_at_s", "finished_at_s"):
+            t = getattr(self, name)
+            if not (math.isfinite(t) and 0 <= t < MAX_CAPTURE_TIME_S):
+                raise RecordError(f"{name}={t!r} is not a Unix time in [0, {MAX_CAPTURE_TIME_S:.0f})",
+                                  DEAD_INVALID)
+        if not 0 <= self.chunk_index < self.chunk_count <= INT32_MAX:
+            raise RecordError(f"chunk_index {self.chunk_index} / chunk_count {self.chunk_count}: need "
+                              "0 <= index < count < 2**31", DEAD_INVALID)
+        ints = (self.hidden_size, self.position_start, self.request_num_tokens, *self.aux_layer_ids)
+        if not all(0 <= x <= INT32_MAX for x in ints) or len(self.aux_layer_ids) > MAX_AUX_LAYERS:
+            raise RecordError(f"hidden_size, position_start, request_num_tokens and (at most "
+                              f"{MAX_AUX_LAYERS}) aux_layer_ids must be in [0, 2**31)", DEAD_INVALID)
+        if self.num_tokens and (self.token_ids.min() < 0 or self.token_ids.max() > INT32_MAX
+                                or self.loss_mask.max() > 1):
+            raise RecordError("token_ids must be in [0, 2**31) and loss_mask 0 or 1", DEAD_INVALID)
 
     def header(self) -> dict:
         """The JSON header fields (everything but the arrays)."""
@@ -113,6 +145,14 @@ class Record:
             "request_num_tokens": self.request_num_tokens or self.num_tokens,
             "chunk_index": self.chunk_index, "chunk_count": self.chunk_count,
         }
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")  # lone surrogates (JSON "\\ud800") cannot be stored
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _HEADER_TYPES: dict[str, tuple[type, ...]] = {
@@ -168,8 +208,8 @@ def decode(value: bytes, max_bytes: int | None = None) -> Record:
         raise RecordError(f"header length {header_len} out of range")
     try:
         header = json.loads(bytes(view[start:start + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"header is not JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # also: integers of 4300+ digits, deep nesting
+        raise RecordError(f"header is not JSON: {str(exc)[:200]}") from exc
     if not isinstance(header, dict):
         raise RecordError("header is not a JSON object")
     for key, types in _HEADER_TYPES.items():
@@ -177,6 +217,8 @@ def decode(value: bytes, max_bytes: int | None = None) -> Record:
             raise RecordError(f"header lacks {key!r}")
         if not isinstance(header[key], types) or isinstance(header[key], bool):
             raise RecordError(f"header field {key!r} has type {type(header[key]).__name__}")
+    if not all(type(x) is int for x in header["aux_layer_ids"]):
+        raise RecordError("aux_layer_ids must be a list of integers")
     dtype = header["hidden_dtype"]
     if dtype not in HIDDEN_ITEMSIZE:
         raise RecordError(f"unknown hidden_dtype {dtype!r}")
@@ -196,7 +238,7 @@ def decode(value: bytes, max_bytes: int | None = None) -> Record:
         record = Record(
             request_id=header["request_id"], target_model_id=header["target_model_id"],
             drafter_version=header["drafter_version"],
-            aux_layer_ids=tuple(int(x) for x in header["aux_layer_ids"]),
+            aux_layer_ids=tuple(header["aux_layer_ids"]),
             workload=header["workload"], started_at_s=float(header["started_at_s"]),
             finished_at_s=float(header["finished_at_s"]), hidden_size=h, hidden_dtype=dtype,
             token_ids=np.frombuffer(sections[0], dtype="<i4"),
@@ -205,7 +247,7 @@ def decode(value: bytes, max_bytes: int | None = None) -> Record:
             position_start=header["position_start"],
             request_num_tokens=header["request_num_tokens"],
             chunk_index=header["chunk_index"], chunk_count=header["chunk_count"])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # float(10**400)
         raise RecordError(f"bad header value: {exc}") from exc
     record.validate()
     return record

@@ -3,6 +3,7 @@ reason and ingest goes on; replays of offsets already on disk (a crash between r
 write nothing twice; a recreated topic reusing offsets is not mistaken for a replay."""
 from __future__ import annotations
 
+import json
 import struct
 import time
 
@@ -206,3 +207,121 @@ def test_health_follows_the_consume_loop(memory_broker, topic_name, tmp_path, mo
         monkeypatch.undo()
         ingestor.close()
     assert ingestor.health()[1]["state"] == "connecting"  # closed: not ready again
+
+
+def _raw_value(rid: str, header: bytes | None = None, **raw_fields: str) -> bytes:
+    """A record whose header fields are set to raw JSON text (NaN, 1e400, ...), or whose whole
+    header is ``header``, CRC correct: what a buggy or hostile producer can send."""
+    import zlib
+
+    from tide import records
+
+    rec = _record(rid, 4, 1)
+    value = encode(rec)
+    header_len = records._PREFIX.unpack_from(value)[2]
+    fields = {k: json.dumps(v) for k, v in rec.header().items()} | raw_fields
+    if header is None:
+        header = ("{" + ",".join(f'"{k}":{v}' for k, v in fields.items()) + "}").encode("utf-8", "surrogatepass")
+    body = records._PREFIX.pack(records.MAGIC, records.SCHEMA_VERSION, len(header)) + header + \
+        value[records._PREFIX.size + header_len:-4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_values_that_crashed_or_wedged_ingest_are_dead_lettered_and_ingest_goes_on(
+        memory_broker, topic_name, tmp_path, capture_kit, wait):
+    """Each of these stopped ingest before: the consumer thread raised (NaN or out-of-range time,
+    a 5000-digit integer, a deeply nested header) or the writer failed at seal time and the same
+    file was replayed forever (lone surrogate, int32 overflow, a model id too long for a
+    directory name). Now each is dead-lettered with its reason, or stored, and ingest goes on."""
+    bs = memory_broker.bootstrap_servers
+    config, kafka = _config(bs, topic_name, topic_name + ".hostile")
+    ensure_topics(config, kafka)
+    future_s = time.time() + 30 * 86400  # beyond ingest.max_clock_skew_s
+    bad = [  # (value, reason)
+        (_raw_value("nan", finished_at_s="NaN"), "invalid"),
+        (_raw_value("inf", finished_at_s="1e400"), "invalid"),
+        (_raw_value("negative", finished_at_s="-1e18"), "invalid"),
+        (_raw_value("huge-int", hidden_size="1" + "0" * 5000), "malformed"),
+        (_raw_value("surrogate", request_id='"\\ud800"'), "invalid"),
+        (_raw_value("overflow", position_start=str(2**40)), "invalid"),
+        (_raw_value("layers", aux_layer_ids=f"[{2**40},1,2]"), "invalid"),
+        (_raw_value("long", request_id=json.dumps("x" * 60_000)), "invalid"),
+        (_raw_value("future", finished_at_s=repr(future_s)), "invalid"),
+        (_raw_value("nested", header=b"[" * 30_000), "malformed"),
+        (b"\0not a record", "malformed"),  # sent with a key too large for a dead letter
+    ]
+    huge_key = b"k" * 1_100_000
+    long_model = "/" * 256  # valid: stored under a shortened, hashed directory name
+    good = [encode(_record(f"good-{i}", 6, i)) for i in range(3)]
+    good.append(_raw_value("good-long-model", target_model_id=json.dumps(long_model)))
+    producer = KafkaProducer(bootstrap_servers=bs, acks="all", max_request_size=2_000_000)
+    values = []
+    for i, (value, _) in enumerate(bad):
+        values.append(value)
+        if i % 3 == 0:
+            values.append(good[i // 3])
+    for v in values:
+        producer.send(topic_name, key=huge_key if v == bad[-1][0] else b"k", value=v)
+    producer.flush()
+    producer.close()
+
+    data_dir = tmp_path / "data"
+    with capture_kit.IngestThread(config, kafka, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= len(good), 30, what="good rows")
+        consumer = KafkaConsumer(bootstrap_servers=bs, group_id=config.group_id)
+        wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == len(values), 30,
+             what="every offset committed")
+        consumer.close()
+    ids = {s.request_id for s in DatasetReader(data_dir).samples()}
+    assert ids == {"good-0", "good-1", "good-2", "good-long-model"}
+    dead = _read_all(bs, topic_name + ".dead", expected=len(bad))
+    reasons = {}
+    for message in dead:
+        headers = {k: v.decode() for k, v in message.headers}
+        reasons[message.value] = headers["tide-dead-letter-reason"]
+        if message.value == bad[-1][0]:  # the key is cut; its length is kept
+            assert len(message.key) < len(huge_key)
+            assert headers["tide-dead-letter-key-truncated-from"] == str(len(huge_key))
+    assert reasons == {value: reason for value, reason in bad}
+
+
+def test_a_replay_after_failed_commits_does_not_resurrect_deleted_rows(memory_broker, topic_name,
+                                                                       tmp_path, capture_kit, wait):
+    """Files are written but their offsets never committed (a second consumer group over the same
+    data dir replays everything, as after a crash before the commit). In between, one request is
+    deleted (``tide data delete``) and retention expires the oldest file: the replay writes
+    neither back, and writes nothing twice."""
+    import dataclasses
+
+    from tide.dataset.retention import apply_retention, delete_request
+
+    bs = memory_broker.bootstrap_servers
+    first, kafka = _config(bs, topic_name, topic_name + ".first")
+    ensure_topics(first, kafka)
+    producer = KafkaProducer(bootstrap_servers=bs, acks="all")
+    for i in range(24):  # capture times one second apart, oldest first
+        rec = dataclasses.replace(_record(f"r{i}", 6, i), started_at_s=1.7e9 + i - 1, finished_at_s=1.7e9 + i)
+        producer.send(topic_name, key=b"k", value=encode(rec))
+    producer.flush()
+    producer.close()
+    data_dir = tmp_path / "data"
+    with capture_kit.IngestThread(first, kafka, data_dir):
+        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 24, 30, what="first pass")
+
+    index = DatasetIndex(data_dir)
+    assert delete_request(data_dir, "r13", index) == 1
+    oldest = index.files()[0]
+    expired = apply_retention(data_dir, index, ttl_s=3600, max_bytes=1 << 40,
+                              now_s=oldest.max_time_s + 3600 + 1e-3)
+    assert expired == [oldest.path]
+    gone = {f"r{i}" for i in range(24) if 1.7e9 + i <= oldest.max_time_s} | {"r13"}
+    index.close()
+
+    replay, _ = _config(bs, topic_name, topic_name + ".replay")
+    with capture_kit.IngestThread(replay, kafka, data_dir):
+        consumer = KafkaConsumer(bootstrap_servers=bs, group_id=replay.group_id)
+        wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == 24, 30, what="replay committed")
+        consumer.close()
+    stored = [r for p in list_files(data_dir)
+              for r in pq.read_table(p, columns=["request_id"]).column("request_id").to_pylist()]
+    assert sorted(stored) == sorted(f"r{i}" for i in range(24) if f"r{i}" not in gone)

@@ -144,3 +144,25 @@ def test_schema_file_matches_the_header():
     layout = [s["name"] for s in schema["x-binary-layout"]]
     assert layout == ["magic", "schema_version", "header_len", "header", "token_ids", "loss_mask",
                       "aux_hidden", "final_hidden", "crc32"]
+
+
+def test_schema_file_states_the_value_limits_validate_enforces():
+    props = json.loads(SCHEMA_FILE.read_text())["properties"]
+    for key in ("request_id", "target_model_id"):
+        assert (props[key]["minLength"], props[key]["maxLength"]) == (1, records.MAX_ID_CHARS)
+    assert props["drafter_version"]["maxLength"] == records.MAX_ID_CHARS
+    assert props["workload"]["maxLength"] == records.MAX_WORKLOAD_CHARS
+    assert props["aux_layer_ids"]["maxItems"] == records.MAX_AUX_LAYERS
+    for key in ("started_at_s", "finished_at_s"):
+        assert props[key]["exclusiveMaximum"] == records.MAX_CAPTURE_TIME_S
+    for key in ("hidden_size", "position_start", "request_num_tokens", "chunk_count"):
+        assert props[key]["maximum"] == records.INT32_MAX
+    assert props["aux_layer_ids"]["items"]["maximum"] == records.INT32_MAX
+
+
+def test_encode_refuses_what_the_dataset_cannot_store():
+    for change in ({"finished_at_s": float("nan")}, {"started_at_s": float("inf")},
+                   {"request_id": "x" * 257}, {"workload": "line\nbreak"}, {"position_start": 2**31}):
+        with pytest.raises(RecordError) as err:
+            encode(dataclasses.replace(make_record(), **change))
+        assert err.value.reason == contracts.DEAD_INVALID, change

@@ -4,12 +4,13 @@ Verbs: ``stats`` (files, rows, requests, tokens, bytes, capture-time range, from
 ``delete REQUEST_ID...`` (rewrite every file holding those requests without their rows: the
 deletion a user's data request asks for), ``retention`` (apply ``ingest.retention_*`` now instead
 of waiting for ingest's next pass). They work on the dataset folder directly, with or without
-ingest running (the index serialises writers; files are replaced by atomic rename).
+ingest running: they hold the dataset lock that ingest's seals share (tide/dataset/lock.py), and
+the index records what they deleted, which ingest then never writes again (a replay, the later
+chunks of a request still being served).
 
 What deletion does not reach: records still in the Kafka topic (until ``retention.ms`` expires:
-``ingest.topic_retention_ms`` on the topics ingest creates) and a request still being served,
-whose later chunks are ingested afterwards: delete again once it has finished. Drafters already
-trained on the data are not retrained.
+``ingest.topic_retention_ms`` on the topics ingest creates) until ingest consumes them, and
+drafters already trained on the data (they are not retrained).
 """
 from __future__ import annotations
 

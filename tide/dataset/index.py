@@ -5,6 +5,13 @@ Parquet file. Ingest adds a file right after its rename; ``reconcile`` (run at i
 repairs the two crash windows: a renamed file not yet indexed is added from its footer and
 columns, an indexed file that no longer exists is removed. WAL mode lets readers in other
 processes (scheduler, trainer) read while ingest writes.
+
+It also remembers what the dataset has deleted, so that nothing consumed again brings it back
+(a replay after a failed commit, a chunk still in an open file): the request ids ``tide data
+delete`` removed (kept for good: request ids are unique) and the retention cut, the newest
+capture time retention has deleted up to (TTL: now - ttl; size budget: the newest file it
+deleted). Ingest drops rows of deleted requests and rows captured at or before the cut when it
+seals a file, holding the dataset lock (tide/dataset/lock.py) that deletion and retention take.
 """
 from __future__ import annotations
 
@@ -39,7 +46,11 @@ CREATE INDEX IF NOT EXISTS files_offsets ON files (topic, partition, last_offset
 CREATE TABLE IF NOT EXISTS file_requests (
   request_id TEXT NOT NULL, path TEXT NOT NULL, PRIMARY KEY (request_id, path)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS file_requests_path ON file_requests (path);
+CREATE TABLE IF NOT EXISTS deleted_requests (
+  request_id TEXT PRIMARY KEY, deleted_at_s REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value REAL NOT NULL) WITHOUT ROWID;
 """
+_QUERY_CHUNK = 500  # ids per IN (...) query, below SQLite's parameter limit
 
 
 def stats_from_file(data_dir: Path, path: Path) -> tuple[FileStats, set[str]]:
@@ -206,6 +217,35 @@ class DatasetIndex:
             self.add(stats, request_ids)
             added += 1
         return added, removed
+
+    @_locked
+    def mark_deleted(self, request_ids: Iterable[str], at_s: float) -> None:
+        with self._transaction():
+            self._db.executemany("INSERT OR IGNORE INTO deleted_requests VALUES (?, ?)",
+                                 [(rid, at_s) for rid in request_ids])
+
+    @_locked
+    def deleted_among(self, request_ids: Iterable[str]) -> set[str]:
+        """Those of ``request_ids`` that ``tide data delete`` has removed."""
+        ids, found = list(request_ids), set()
+        for i in range(0, len(ids), _QUERY_CHUNK):
+            chunk = ids[i:i + _QUERY_CHUNK]
+            rows = self._db.execute("SELECT request_id FROM deleted_requests WHERE request_id IN "
+                                    f"({','.join('?' * len(chunk))})", chunk)
+            found.update(r[0] for r in rows)
+        return found
+
+    @_locked
+    def retention_cut_s(self) -> float:
+        """Rows captured at or before this are deleted (-inf: retention deleted nothing yet)."""
+        row = self._db.execute("SELECT value FROM settings WHERE key = 'retention_cut_s'").fetchone()
+        return float(row[0]) if row else float("-inf")
+
+    @_locked
+    def raise_retention_cut(self, cut_s: float) -> None:
+        with self._transaction():
+            self._db.execute("INSERT INTO settings VALUES ('retention_cut_s', ?) ON CONFLICT(key) "
+                             "DO UPDATE SET value = max(value, excluded.value)", (cut_s,))
 
     @_locked
     def totals(self) -> tuple[int, int]:

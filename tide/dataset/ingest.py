@@ -2,17 +2,20 @@
 
 Loop steps (consumer thread):
 1. poll a batch (consumer group, auto-commit off);
-2. per message: skip offsets already on disk (see below); decode; a malformed, unknown-version
-   or oversized value goes to the dead-letter topic with the reason in its headers; a good chunk
-   is handed to the writer thread for its partition's open file in its
-   ``target_model=/date=/hour=`` directory;
+2. per message: skip offsets already on disk (see below); decode; a malformed, unknown-version,
+   oversized or invalid value (and any other per-record failure: ``unprocessable``) goes to the
+   dead-letter topic with the reason in its headers; a good chunk is handed to the writer thread
+   for its partition's open file in its ``target_model=/date=/hour=`` directory;
 3. a partition is flushed when its open files reach ``file_max_rows`` / ``file_max_bytes`` (checked
    per message) or ``roll_interval_s`` passed (checked per poll): the writer thread seals every file (fsync, rename, fsync dir) and
    indexes it while consumption goes on;
 4. when a seal has completed (in order): wait for the partition's dead letters to be
-   acknowledged, then commit ``last offset + 1``. A failed seal rewinds the partition to its
-   first uncommitted offset;
-5. every ``retention_interval_s``: retention (TTL, then size budget, oldest first).
+   acknowledged, then commit ``last offset + 1``. A failed seal (or dead letter) rewinds the
+   partition to its first uncommitted offset and stops consumption (``backoff.WriteBackoff``:
+   a full disk waits 1 s, 2 s, 4 s ... up to ``write_backoff_max_s``; the index is reconciled
+   before consuming again), so nothing is committed that is not on disk;
+5. every ``retention_interval_s``: retention (TTL, then size budget, oldest first), unless a
+   ``tide data`` command holds the dataset lock.
 
 Why no duplicates after a crash: a file holds offsets of one partition and is named by its
 offset range. When a partition is first seen after (re)assignment, the offsets stored in its
@@ -29,19 +32,21 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
-from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+from kafka import ConsumerRebalanceListener, KafkaConsumer
 from kafka.structs import OffsetAndMetadata
 
 from tide import metrics
 from tide.config import IngestConfig, KafkaConfig
+from tide.contracts import DEAD_INVALID, DEAD_UNPROCESSABLE
+from tide.dataset.backoff import WriteBackoff
+from tide.dataset.dead_letter import DeadLetterFailed, DeadLetters
 from tide.dataset.index import DatasetIndex
+from tide.dataset.lock import LockBusy
+from tide.dataset.partitions import PartitionState, Seal, stored_after
 from tide.dataset.retention import apply_retention
 from tide.dataset.schema import Row, partition_dir
 from tide.dataset.writer import OpenFile, remove_temporaries
@@ -80,40 +85,6 @@ def ensure_topics(config: IngestConfig, kafka: KafkaConfig) -> None:
         admin.close()
 
 
-@dataclass
-class _PartitionState:
-    """Consumed work of one topic partition not yet handed to a seal."""
-
-    # offset -> (request id, chunk index) of rows already durable in files: a replay after a
-    # crash matches; a different message at a covered offset means the topic was recreated
-    covered: dict[int, tuple[str, int]]
-    files: dict[str, OpenFile] = field(default_factory=dict)
-    first_offset: int = -1
-    last_offset: int = -1
-    rows: int = 0
-    nbytes: int = 0
-    opened_at_s: float = 0.0
-    dead_lettered: bool = False
-
-    def note(self, offset: int, now_s: float) -> None:
-        if self.first_offset < 0:
-            self.first_offset = offset
-            self.opened_at_s = now_s
-        self.last_offset = offset
-
-
-@dataclass
-class _Seal:
-    """A flush in flight: commit ``commit_to`` once ``future`` (the writer's seal) succeeds."""
-
-    tp: Any
-    first_offset: int
-    commit_to: int
-    future: "Future"
-    dead_lettered: bool
-    started_s: float
-
-
 class Ingestor:
     """Consumes ``kafka.topic`` into ``data_dir``; ``run`` until the stop event is set."""
 
@@ -125,10 +96,12 @@ class Ingestor:
         self._writer: WriterThread | None = None
         self._consumer: Any = None
         self._dead_letters: Any = None
-        self._parts: dict[Any, _PartitionState] = {}
-        self._seals: deque[_Seal] = deque()
+        self._parts: dict[Any, PartitionState] = {}
+        self._seals: deque[Seal] = deque()
         self._last_retention_s = time.monotonic()
         self._last_poll_s: float | None = None
+        self._backoff = WriteBackoff(config.write_backoff_initial_s, config.write_backoff_max_s)
+        self._paused_partitions = 0  # for /health (read on its thread)
         self.last_error = ""  # why the last open() failed (the service retries it)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -147,10 +120,7 @@ class Ingestor:
         if self.config.create_topics:
             ensure_topics(self.config, self.kafka)
         c, k = self.config, self.kafka
-        self._dead_letters = KafkaProducer(
-            bootstrap_servers=k.bootstrap_servers.split(","), acks="all", enable_idempotence=True,
-            compression_type="zstd", linger_ms=5, client_id="tide-ingest-dead-letter",
-            max_request_size=c.dead_letter_max_bytes + 64 * 1024)
+        self._dead_letters = DeadLetters(c, k)
         self._consumer = KafkaConsumer(
             bootstrap_servers=k.bootstrap_servers.split(","), group_id=c.group_id,
             client_id="tide-ingest", enable_auto_commit=False, auto_offset_reset="earliest",
@@ -165,13 +135,20 @@ class Ingestor:
             self.poll_once()
 
     def poll_once(self) -> int:
-        """One poll + the flushes, commits and retention it makes due; returns messages handled."""
+        """One poll + the flushes, commits and retention it makes due; returns messages handled.
+        While writes are failing, the poll only heartbeats (every partition is paused)."""
         self._last_poll_s = time.monotonic()
+        if self._backoff.due(self._last_poll_s):
+            self._resume()
         batch = self._consumer.poll(timeout_ms=int(self.config.poll_timeout_s * 1000))
         handled = 0
         for tp, messages in batch.items():
             for message in messages:
-                self._handle(tp, message)
+                try:
+                    self._handle(tp, message)
+                except DeadLetterFailed as exc:  # the rest of this batch is fetched again
+                    self._write_failed(tp, self._first_uncommitted(tp, message.offset), exc)
+                    break
                 handled += 1
         self._flush_due(time.monotonic())
         self._settle_seals(wait=False)
@@ -185,10 +162,15 @@ class Ingestor:
         is stuck (a hung flush, a wedged broker call) even though its /metrics still answer."""
         if self._consumer is None or self._last_poll_s is None:
             return False, {"state": "connecting", "last_error": self.last_error}
-        age_s = time.monotonic() - self._last_poll_s
+        now = time.monotonic()
+        age_s = now - self._last_poll_s
         stalled = age_s > max(30.0, 20 * self.config.poll_timeout_s)
-        return not stalled, {"state": "stalled" if stalled else "consuming", "last_poll_age_s": round(age_s, 1),
-                             "open_partitions": len(self._parts), "seals_in_flight": len(self._seals)}
+        details = {"state": "stalled" if stalled else "consuming", "last_poll_age_s": round(age_s, 1),
+                   "open_partitions": len(self._parts), "seals_in_flight": len(self._seals)}
+        if self._backoff.failing and not stalled:  # disk_full | write_error: not ready
+            return False, {**details, **self._backoff.details(now),
+                           "paused_partitions": self._paused_partitions}
+        return not stalled, details
 
     def close(self, flush: bool = True) -> None:
         """Seal and commit open files (graceful stop), then leave the group."""
@@ -203,7 +185,7 @@ class Ingestor:
             if self._writer is not None:
                 self._writer.close()
             if self._dead_letters is not None:
-                self._dead_letters.close(timeout=5)
+                self._dead_letters.close()
             if self.index is not None:
                 self.index.close()
             self._consumer = self._dead_letters = self.index = self._writer = None
@@ -212,18 +194,12 @@ class Ingestor:
             self._seals.clear()
 
     # --- messages -------------------------------------------------------------------------------
-    def _state(self, tp: Any, offset: int) -> _PartitionState:
+    def _state(self, tp: Any, offset: int) -> PartitionState:
         state = self._parts.get(tp)
         if state is None:
             self._writer.wait_idle()  # seals still in flight must be on disk before we look
-            covered: dict[int, tuple[str, int]] = {}
-            for stats in self.index.files_after(tp.topic, tp.partition, offset):
-                table = pq.read_table(self.data_dir / stats.path,
-                                      columns=["kafka_offset", "request_id", "chunk_index"])
-                for o, rid, chunk in zip(*(table.column(i).to_pylist() for i in range(3))):
-                    if o >= offset:
-                        covered[o] = (rid, chunk)
-            state = self._parts[tp] = _PartitionState(covered=covered)
+            covered = stored_after(self.index, tp.topic, tp.partition, offset)
+            state = self._parts[tp] = PartitionState(covered=covered)
             if state.covered:
                 log.info("ingest: %s resumes at %d; %d later offsets already on disk",
                          tp, offset, len(state.covered))
@@ -234,12 +210,14 @@ class Ingestor:
         state.note(message.offset, time.monotonic())
         stored = state.covered.pop(message.offset, None)
         try:
-            if message.value is None:
-                raise RecordError("empty value")
-            record = decode(message.value, max_bytes=self.config.max_record_bytes)
+            record, rel = self._route(message)
         except RecordError as exc:
-            self._dead_letter(message, exc.reason, str(exc))
-            state.dead_lettered = True
+            self._dead_letter(state, message, exc.reason, str(exc))
+            return
+        except Exception as exc:  # unforeseen, but one record must never stop ingest
+            log.exception("ingest: %s-%d@%d failed unexpectedly", message.topic, message.partition,
+                          message.offset)
+            self._dead_letter(state, message, DEAD_UNPROCESSABLE, f"{type(exc).__name__}: {exc}")
             return
         if stored is not None:
             if stored == (record.request_id, record.chunk_index):
@@ -250,7 +228,6 @@ class Ingestor:
                         (record.request_id, record.chunk_index))
         row = Row(record, message.topic, message.partition, message.offset,
                   message.timestamp, time.time())
-        rel = partition_dir(record.target_model_id, record.finished_at_s)
         open_file = state.files.get(rel)
         if open_file is None:
             open_file = state.files[rel] = OpenFile(
@@ -263,20 +240,18 @@ class Ingestor:
         if state.rows >= self.config.file_max_rows or state.nbytes >= self.config.file_max_bytes:
             self._flush(tp)
 
-    def _dead_letter(self, message: Any, reason: str, detail: str) -> None:
-        value = message.value or b""
-        headers = [("tide-dead-letter-reason", reason.encode()),
-                   ("tide-dead-letter-detail", detail[:500].encode()),
-                   ("tide-source-topic", message.topic.encode()),
-                   ("tide-source-partition", str(message.partition).encode()),
-                   ("tide-source-offset", str(message.offset).encode())]
-        if len(value) > self.config.dead_letter_max_bytes:
-            headers.append(("tide-dead-letter-truncated-from", str(len(value)).encode()))
-            value = value[:self.config.dead_letter_max_bytes]
-        log.warning("ingest: dead-lettering %s-%d@%d: %s (%s)", message.topic, message.partition,
-                    message.offset, reason, detail)
-        self._dead_letters.send(self.kafka.dead_letter_topic, key=message.key, value=value,
-                                headers=headers)
+    def _route(self, message: Any) -> tuple[Any, str]:
+        """Decode and place one message: (record, its partition directory), or RecordError."""
+        if message.value is None:
+            raise RecordError("empty value")
+        record = decode(message.value, max_bytes=self.config.max_record_bytes)
+        if record.finished_at_s > time.time() + self.config.max_clock_skew_s:
+            raise RecordError(f"finished_at_s={record.finished_at_s} is more than "
+                              f"{self.config.max_clock_skew_s:.0f} s in the future", DEAD_INVALID)
+        return record, partition_dir(record.target_model_id, record.finished_at_s)
+
+    def _dead_letter(self, state: PartitionState, message: Any, reason: str, detail: str) -> None:
+        state.dead_letters.append(self._dead_letters.send(message, reason, detail))
         metrics.INGEST_MESSAGES.labels("dead_lettered").inc()
         metrics.INGEST_DEAD_LETTERED.labels(reason).inc()
 
@@ -296,25 +271,25 @@ class Ingestor:
         if state is None or state.first_offset < 0:
             return
         future = self._writer.seal(list(state.files.values()), time.time())
-        self._seals.append(_Seal(tp, state.first_offset, state.last_offset + 1, future,
-                                 state.dead_lettered, time.monotonic()))
+        self._seals.append(Seal(tp, state.first_offset, state.last_offset + 1, future,
+                                 state.dead_letters, time.monotonic()))
         state.files, state.first_offset, state.rows, state.nbytes = {}, -1, 0, 0
-        state.dead_lettered = False
+        state.dead_letters = []
 
     def _settle_seals(self, wait: bool) -> None:
-        """Commit completed seals in order; rewind the partition of a failed one."""
+        """Commit completed seals in order; rewind the partition of a failed one and back off."""
         while self._seals and (wait or self._seals[0].future.done()):
             seal = self._seals.popleft()
             try:
                 sealed = seal.future.result()
-                if seal.dead_lettered:
-                    self._dead_letters.flush(timeout=30)
+                self._dead_letters.confirm(seal.dead_letters)
             except Exception as exc:  # disk full, dead-letter topic unreachable, ...
                 log.error("ingest: flush of %s failed (%s); rewinding to offset %d", seal.tp, exc,
                           seal.first_offset)
                 metrics.INGEST_COMMITS.labels("write_error").inc()
-                self._rewind(seal.tp, seal.first_offset)
+                self._write_failed(seal.tp, seal.first_offset, exc)
                 continue
+            self._backoff.succeeded()
             for stats in sealed:
                 metrics.INGEST_FILES.inc()
                 metrics.INGEST_FILE_BYTES.inc(stats.bytes)
@@ -332,15 +307,41 @@ class Ingestor:
             if sealed:
                 self._update_dataset_gauges()
 
+    def _first_uncommitted(self, tp: Any, offset: int) -> int:
+        """The oldest offset of ``tp`` held but not committed (``offset`` if none is older)."""
+        held = [s.first_offset for s in self._seals if s.tp == tp]
+        state = self._parts.get(tp)
+        if state is not None and state.first_offset >= 0:
+            held.append(state.first_offset)
+        return min([offset, *held])
+
+    def _write_failed(self, tp: Any, offset: int, exc: BaseException) -> None:
+        """Consume ``tp`` again from ``offset``, and nothing at all until the backoff ends."""
+        self._rewind(tp, offset)
+        self._backoff.failed(exc, time.monotonic())
+        self._consumer.pause(*self._consumer.assignment())
+        self._paused_partitions = len(self._consumer.paused())
+
+    def _resume(self) -> None:
+        """End of a backoff: make the index match the disk (a seal may have renamed its file but
+        not indexed it, and replay detection reads the index), then consume again."""
+        try:
+            self._writer.wait_idle()
+            self.index.reconcile()
+        except Exception as exc:  # still full: wait twice as long
+            self._backoff.retrying()
+            self._backoff.failed(exc, time.monotonic())
+            return
+        self._backoff.retrying()
+        self._consumer.resume(*self._consumer.paused())
+        self._paused_partitions = 0
+
     def _rewind(self, tp: Any, offset: int) -> None:
         """Drop everything held for ``tp`` after ``offset`` and consume it again."""
         state = self._parts.pop(tp, None)
         if state is not None:
             self._writer.discard(list(state.files.values()))
         self._seals = deque(s for s in self._seals if s.tp != tp)  # later seals: re-done
-        self._writer.wait_idle()
-        self.index.reconcile()
-        time.sleep(1.0)  # a failing disk or broker should not be hammered
         try:
             self._consumer.seek(tp, offset)
         except Exception:
@@ -357,11 +358,27 @@ class Ingestor:
                 self._writer.discard(list(state.files.values()))
         self._seals = deque(s for s in self._seals if s.tp not in lost)
 
+    def partitions_assigned(self, partitions: Any) -> None:
+        self.forget_partitions(partitions)
+        if self._backoff.blocked:  # a new assignment starts unpaused
+            self._consumer.pause(*partitions)
+            self._paused_partitions = len(self._consumer.paused())
+
     # --- maintenance ----------------------------------------------------------------------------
     def retention(self) -> None:
+        """One retention pass, skipped (tried again next interval) while a ``tide data`` command
+        holds the dataset lock or when it fails (e.g. a full disk refuses the index's update)."""
         self._writer.wait_idle()
-        deleted = apply_retention(self.data_dir, self.index, self.config.retention_ttl_s,
-                                  self.config.retention_max_bytes)
+        try:
+            deleted = apply_retention(self.data_dir, self.index, self.config.retention_ttl_s,
+                                      self.config.retention_max_bytes, blocking=False)
+        except LockBusy:
+            log.info("ingest: dataset locked by another process; retention next time")
+            return
+        except Exception:
+            log.exception("ingest: retention failed; trying again in %.0f s",
+                          self.config.retention_interval_s)
+            return
         if deleted:
             log.info("ingest: retention deleted %d files", len(deleted))
         self._update_dataset_gauges()
@@ -381,4 +398,4 @@ class _Rebalance(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         # offsets already on disk are loaded lazily at each partition's first message
-        self.ingestor.forget_partitions(assigned)
+        self.ingestor.partitions_assigned(assigned)

@@ -89,10 +89,17 @@ class FileName:
         return hashlib.blake2b(key, digest_size=4).hexdigest()
 
 
+_MAX_MODEL_DIR_CHARS = 200  # "target_model=" + this stays within a file name's 255 bytes
+
+
 def partition_dir(target_model_id: str, at_s: float) -> str:
-    """Relative hive-style directory for a model and a capture time (UTC)."""
+    """Relative hive-style directory for a model and a capture time (UTC). A quoted model id
+    longer than 200 characters is cut and ends in ``~`` + 16 hex digits of its hash."""
     t = time.gmtime(at_s)
     model = urllib.parse.quote(target_model_id, safe="")
+    if len(model) > _MAX_MODEL_DIR_CHARS:
+        digest = hashlib.blake2b(target_model_id.encode(), digest_size=8).hexdigest()
+        model = model[:_MAX_MODEL_DIR_CHARS - 17] + "~" + digest
     return f"target_model={model}/date={t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}/hour={t.tm_hour:02d}"
 
 

@@ -7,7 +7,8 @@ Steps for one file:
    offset-range name and fsyncs the directory (the rename itself must survive a crash);
 3. directories created on the way are fsynced into their parents too.
 A crash at any point leaves either no visible file or a complete one; ``remove_temporaries``
-deletes the leftovers at start-up.
+deletes the leftovers at start-up. An error (a full disk) removes the temporary at once: it
+holds user data, and its space is what a full disk needs back.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tide.dataset.schema import COLUMN_COMPRESSION, PARQUET_SCHEMA, STATISTICS_COLUMNS, FileName, Row, rows_to_table
@@ -48,6 +51,31 @@ def remove_temporaries(data_dir: Path) -> int:
         tmp.unlink(missing_ok=True)
         count += 1
     return count
+
+
+def write_temporary(table: pa.Table, directory: Path) -> Path:
+    """``table`` as a complete, fsynced hidden temporary in ``directory`` (removed on error)."""
+    tmp = directory / f".{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "wb") as handle:
+            pq.write_table(table, handle, compression=COLUMN_COMPRESSION,
+                           write_statistics=STATISTICS_COLUMNS, use_dictionary=False,
+                           row_group_size=max(1, min(64, table.num_rows)))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def without_rows(table: pa.Table, request_ids: set[str], captured_until_s: float) -> pa.Table:
+    """``table`` less the rows of ``request_ids`` and those captured at or before the cut."""
+    keep = pc.greater(table.column("finished_at_s"), captured_until_s)
+    if request_ids:
+        keep = pc.and_(keep, pc.invert(pc.is_in(table.column("request_id"),
+                                                pa.array(sorted(request_ids), pa.string()))))
+    return table.filter(keep)
 
 
 @dataclass
@@ -139,16 +167,42 @@ class OpenFile:
 
     def seal(self, created_at_s: float) -> FileStats:
         """Finish, fsync, rename to the offset-range name, fsync the directory."""
+        self.finish()
+        return self.stats(self.publish(), created_at_s)
+
+    @property
+    def temporary(self) -> Path | None:
+        return self._tmp
+
+    def finish(self) -> Path:
+        """Write the last row group and the footer, fsync: the temporary is a complete file."""
         self._write_buffer()
         assert self._writer is not None and self._tmp is not None, "sealing an empty file"
         self._writer.close()
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
+        self._writer = self._handle = None
+        return self._tmp
+
+    def publish(self, replacement: Path | None = None) -> Path:
+        """Rename the finished temporary (or ``replacement``, a filtered copy of it, which
+        supersedes it) to the offset-range name and fsync the directory; returns the path."""
         name = FileName(self.topic, self.partition, self.first_offset, self.last_offset, self._tag)
         final = self._tmp.parent / str(name)
-        os.rename(self._tmp, final)
+        try:
+            os.rename(replacement or self._tmp, final)
+        except BaseException:
+            if replacement is not None:
+                replacement.unlink(missing_ok=True)
+            raise
+        if replacement is not None:
+            self._tmp.unlink(missing_ok=True)
+        self._tmp = None
         fsync_dir(final.parent)
+        return final
+
+    def stats(self, final: Path, created_at_s: float) -> FileStats:
         return FileStats(
             path=str(final.relative_to(self.data_dir)), target_model=self.target_model,
             topic=self.topic, partition=self.partition, first_offset=self.first_offset,
@@ -158,13 +212,17 @@ class OpenFile:
             bytes=final.stat().st_size, created_at_s=created_at_s)
 
     def discard(self) -> None:
-        """Drop the half-written file (its offsets were not committed; they will be replayed)."""
-        try:
-            if self._writer is not None:
-                self._writer.close()
-            if self._handle is not None:
-                self._handle.close()
-        finally:
-            if self._tmp is not None:
-                self._tmp.unlink(missing_ok=True)
+        """Drop the half-written file (its offsets were not committed; they will be replayed).
+        Closing may fail (a full disk refuses the footer); the handle is closed and the file
+        unlinked regardless: an open handle would keep the space of the unlinked file."""
+        for close in (self._writer, self._handle):
+            try:
+                if close is not None:
+                    close.close()
+            except (OSError, pa.ArrowException):
+                pass
+        self._writer = self._handle = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+            self._tmp = None
         self._buffer = []

@@ -3,9 +3,13 @@
 The consumer thread decodes messages and hands rows here; this thread builds Arrow columns,
 writes row groups (pyarrow releases the GIL), seals files (fsync, rename, fsync dir) and adds
 them to the index. Tasks run in submission order, so a partition's seal always comes after its
-rows. Steps of a seal task: seal each file -> index each file -> resolve the returned future with
-the files' stats (or the exception). The queue is bounded (``max_pending_rows``): a slow disk
-slows the consumer instead of growing memory.
+rows. Steps of a seal task, per file: finish it (footer, fsync) -> take the dataset lock
+(shared; tide/dataset/lock.py) -> drop the rows of requests ``tide data delete`` removed and
+rows at or before the retention cut (a rewrite, only when there are any: a replay or a chunk
+that was in an open file during a deletion must not bring them back) -> rename, index -> release.
+Then resolve the returned future with the files' stats, or the exception; a failure discards
+that file and every later one of the seal (temporaries hold user data). The queue is bounded
+(``max_pending_rows``): a slow disk slows the consumer instead of growing memory.
 """
 from __future__ import annotations
 
@@ -15,9 +19,13 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from tide.dataset.index import DatasetIndex
+import pyarrow.parquet as pq
+
+from tide import metrics
+from tide.dataset.index import DatasetIndex, stats_from_file
+from tide.dataset.lock import dataset_lock
 from tide.dataset.schema import Row
-from tide.dataset.writer import FileStats, OpenFile
+from tide.dataset.writer import FileStats, OpenFile, without_rows, write_temporary
 
 log = logging.getLogger(__name__)
 
@@ -61,36 +69,69 @@ class WriterThread:
         future: Future[list[FileStats]] = Future()
 
         def task() -> None:
-            try:
-                sealed = []
-                for open_file in files:
-                    error = self._failed.pop(id(open_file), None)
-                    if error is not None:
-                        open_file.discard()
-                        raise _Poisoned(f"writing a row failed: {error}") from error
-                    stats = open_file.seal(created_at_s)
-                    self.index.add(stats, open_file.request_ids)
-                    sealed.append(stats)
-            except BaseException as exc:
-                for open_file in files:
-                    self._failed.pop(id(open_file), None)
-                future.set_exception(exc)
+            sealed: list[FileStats] = []
+            error: BaseException | None = None
+            for open_file in files:
+                if error is None:
+                    try:
+                        sealed.extend(self._seal_one(open_file, created_at_s))
+                        continue
+                    except BaseException as exc:
+                        error = exc
+                self._discard(open_file)
+            if error is not None:
+                future.set_exception(error)
             else:
                 future.set_result(sealed)
 
         self._tasks.put(task)
         return future
 
+    def _seal_one(self, open_file: OpenFile, created_at_s: float) -> list[FileStats]:
+        error = self._failed.pop(id(open_file), None)
+        if error is not None:
+            raise _Poisoned(f"writing a row failed: {error}") from error
+        open_file.finish()
+        with dataset_lock(self.index.data_dir, exclusive=False):
+            deleted = self.index.deleted_among(open_file.request_ids)
+            cut_s = self.index.retention_cut_s()
+            if deleted or open_file.min_time_s <= cut_s:
+                return self._publish_without(open_file, deleted, cut_s, created_at_s)
+            stats = open_file.stats(open_file.publish(), created_at_s)
+            self.index.add(stats, open_file.request_ids)
+            return [stats]
+
+    def _publish_without(self, open_file: OpenFile, deleted: set[str], cut_s: float,
+                         created_at_s: float) -> list[FileStats]:
+        """The rare path: the file holds rows the dataset deleted meanwhile; publish the rest."""
+        with pq.ParquetFile(open_file.temporary) as parquet:  # closed before it is unlinked
+            table = parquet.read()
+        kept = without_rows(table, deleted, cut_s)
+        of_deleted = table.num_rows - without_rows(table, deleted, float("-inf")).num_rows
+        metrics.INGEST_DROPPED_ROWS.labels("request_deleted").inc(of_deleted)
+        metrics.INGEST_DROPPED_ROWS.labels("expired").inc(table.num_rows - kept.num_rows - of_deleted)
+        if kept.num_rows == 0:
+            open_file.discard()
+            return []
+        final = open_file.publish(write_temporary(kept, open_file.temporary.parent))
+        stats, request_ids = stats_from_file(self.index.data_dir, final)
+        stats.created_at_s = created_at_s
+        self.index.add(stats, request_ids)
+        return [stats]
+
     def discard(self, files: list[OpenFile]) -> None:
         def task() -> None:
             for open_file in files:
-                self._failed.pop(id(open_file), None)
-                try:
-                    open_file.discard()
-                except OSError:
-                    log.exception("discarding a temporary file failed")
+                self._discard(open_file)
 
         self._tasks.put(task)
+
+    def _discard(self, open_file: OpenFile) -> None:
+        self._failed.pop(id(open_file), None)
+        try:
+            open_file.discard()
+        except OSError:  # must not keep a seal's future from being resolved
+            log.exception("discarding a temporary file failed")
 
     def wait_idle(self) -> None:
         """Block until every submitted task has run."""
