@@ -153,7 +153,7 @@ class Generations:
             try:
                 job.first = await job.stream.next()
             except Exception as exc:  # noqa: BLE001
-                raise engine_error(exc, job.rid) from exc
+                raise engine_error(exc, job.rid, self.admission.retry_after_s) from exc
             if job.first is None:
                 raise api.APIError(500, "engine ended the request without output", "engine_error")
             metrics.HTTP_TTFT_SECONDS.observe(time.perf_counter() - t0)
@@ -191,7 +191,7 @@ class Generations:
             try:
                 event = await job.stream.next()
             except Exception as exc:  # noqa: BLE001
-                raise engine_error(exc, job.rid) from exc
+                raise engine_error(exc, job.rid, self.admission.retry_after_s) from exc
         else:
             delta = ""
             job.finish_reason = "stop"  # iterator ended without a finished event
