@@ -48,8 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _service_argv(args: argparse.Namespace) -> list[str]:
-    """The verb's ``--config`` for the service's own parser (its other flags: ``python -m``)."""
-    return ["--config", args.config] if getattr(args, "config", None) else []
+    """The service's own command line: the verb's ``--config`` and every flag after the verb that
+    tide's parser does not know (``tide serve --port 9000``), which the service's parser checks."""
+    return (["--config", args.config] if getattr(args, "config", None) else []) + args.service_flags
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -205,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                            ("ingest", cmd_ingest, "run ingest: Kafka to Parquet (python -m tide.services.ingest)"),
                            ("scheduler", cmd_scheduler,
                             "run the retrain scheduler (python -m tide.services.scheduler)")):
-        p = sub.add_parser(name, help=what)
-        p.set_defaults(fn=fn)
+        # no -h of its own: `tide serve --help` is the service's help, with the service's flags
+        p = sub.add_parser(name, help=what + "; takes the service's flags", add_help=False)
+        p.set_defaults(fn=fn, passes_flags=True)
 
     p = sub.add_parser("ask", help="answer one prompt in-process")
     p.add_argument("prompt")
@@ -244,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_token)
 
     _accept_common_options_after_verbs(parser)
-    args = parser.parse_args(argv)
+    args, args.service_flags = parser.parse_known_args(argv)
+    if args.service_flags and not getattr(args, "passes_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(args.service_flags)}")
     return args.fn(args)
 
 
