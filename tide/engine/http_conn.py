@@ -8,11 +8,13 @@ trickle their headers (slowloris) hold every connection. Here each connection is
 connection and adds, with :class:`ConnectionLimits` holding the server-wide side:
 
 - at most ``max_connections`` are served at once. A newcomer past that takes the place of the
-  connection that has waited longest for a request head, once that one has waited
-  ``evict_after_s`` (an idle keep-alive connection is closed, a half-sent head is answered 503
-  with Retry-After); when no connection may be taken (all are in requests or just started), the
-  newcomer gets 503 with Retry-After. A client that sends its request promptly, a health probe
-  say, so gets in while any connection is only trickling a head.
+  connection that has trickled part of a request head for longest (at least
+  ``evict_after_s``; it is answered 503 with Retry-After), else of the one idle longest (at least
+  ``idle_evict_after_s``: a kept-alive or silent connection, closed); when no connection may be
+  taken (all are in requests or just started), the newcomer gets 503 with Retry-After. A client
+  that sends its request promptly, a health probe say, so gets in while any connection is only
+  trickling a head. Idle connections go last because closing one races with its client's next
+  request (which then fails unanswered, as with any keep-alive close).
 - a request head must be complete within ``header_timeout_s`` of the connection's start or of its
   previous response's end: else 408 if part of a head came, a plain close if nothing did.
 - every close lingers: our side is shut (FIN), what the client still sends is read and dropped
@@ -37,8 +39,10 @@ from tide import metrics
 from tide.engine import openai_api as api
 
 CONNECTION_KEY = "tide.connection"
-# a client that is still sending its head after this long is not a prompt one: it may be evicted
-EVICT_AFTER_S = 1.0
+# a head still incomplete after this long is not a prompt client's: its connection may be evicted
+EVICT_AFTER_S = 0.1
+# an idle connection (kept alive, or silent since it connected) may be evicted after this long
+IDLE_EVICT_AFTER_S = 1.0
 # how long a refused or closed connection is read and dropped before its socket closes
 LINGER_S = 2.0
 
@@ -56,12 +60,13 @@ class ConnectionLimits:
     """The server-wide side: the limits, the connections served, and which wait for a head."""
 
     def __init__(self, max_connections: int, header_timeout_s: float, retry_after_s: int,
-                 evict_after_s: float = EVICT_AFTER_S,
+                 evict_after_s: float = EVICT_AFTER_S, idle_evict_after_s: float = IDLE_EVICT_AFTER_S,
                  inner: Callable[..., asyncio.Protocol] = AutoHTTPProtocol) -> None:
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.retry_after_s = retry_after_s
         self.evict_after_s = evict_after_s
+        self.idle_evict_after_s = idle_evict_after_s
         self.inner = inner  # uvicorn's protocol class (h11, or httptools where installed)
         self.served: set[GuardedConnection] = set()
         # connections waiting for a request head -> since when; insertion order is oldest first
@@ -79,13 +84,25 @@ class ConnectionLimits:
     def admit(self, conn: GuardedConnection) -> bool:
         """Serve ``conn`` if there is room or an evictable connection; False: refuse it."""
         if len(self.served) >= self.max_connections:
-            victim = next(iter(self.waiting.items()), None)
-            if victim is None or time.monotonic() - victim[1] < self.evict_after_s:
+            victim = self._victim()
+            if victim is None:
                 return False
-            victim[0].evict()
+            victim.evict()
         self.served.add(conn)
         metrics.HTTP_CONNECTIONS.set(len(self.served))
         return True
+
+    def _victim(self) -> GuardedConnection | None:
+        """The connection trickling a head for longest, else the one idle longest (module docstring)."""
+        now, idle = time.monotonic(), None
+        for conn, since in self.waiting.items():  # oldest first
+            if now - since < min(self.evict_after_s, self.idle_evict_after_s):
+                break  # the rest are younger still
+            if conn.head_bytes and now - since >= self.evict_after_s:
+                return conn
+            if idle is None and not conn.head_bytes and now - since >= self.idle_evict_after_s:
+                idle = conn
+        return idle
 
     def release(self, conn: GuardedConnection, lingers: bool) -> None:
         self.served.discard(conn)

@@ -26,11 +26,13 @@ SLACK_S = 1.0  # scheduling slack on a shared 2-core machine
 RETRY_AFTER_S = 2
 
 
-def start(max_connections: int = 64, evict_after_s: float = 60.0, **kw) -> HttpServer:
+def start(max_connections: int = 64, evict_after_s: float = 60.0, idle_evict_after_s: float = 60.0,
+          **kw) -> HttpServer:
     cfg = ServerConfig(**{"max_connections": max_connections, "header_timeout_s": HEAD_S, "body_timeout_s": BODY_S,
                           "retry_after_s": RETRY_AFTER_S, **kw})
     server = HttpServer(build_app(FakeEngine(), cfg, ENGINE_CFG), "127.0.0.1", 0, grace_s=1, log_level="warning")
-    server.limits.evict_after_s = evict_after_s  # the module's rule, shortened for the test
+    # the module's rules, shortened (or lengthened) for the test
+    server.limits.evict_after_s, server.limits.idle_evict_after_s = evict_after_s, idle_evict_after_s
     server.port = server.start()
     return server
 
@@ -184,13 +186,32 @@ def test_slow_heads_give_their_places_to_prompt_clients_and_health_stays_fast() 
             probes[-1].send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert probes[-1].response()[0] == 200
             took.append(time.perf_counter() - t0)
-        assert max(took) < 0.1, took
+        # at once: a probe that had to wait for a place would wait for a head deadline (10 s)
+        assert max(took) < 0.5, took
         # each probe evicted the oldest slow head, which was told to come back later
         answers = [s.response(1.0) for s in held]
         assert [a[0] for a in answers] == [503] * 8
         assert all(a[1]["retry-after"] == str(RETRY_AFTER_S) for a in answers)
     finally:
         [s.close() for s in held + probes]
+        server.stop()
+
+
+def test_a_trickled_head_is_evicted_before_an_older_idle_connection() -> None:
+    server = start(max_connections=4, evict_after_s=0.1, idle_evict_after_s=0.1, header_timeout_s=10.0)
+    idle = [Raw(server.port) for _ in range(2)]
+    try:
+        for c in idle:  # kept alive after a response: idle, and older than the slow heads below
+            c.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert c.response()[0] == 200
+        held = slow_heads(server.port, 2)
+        time.sleep(0.2)  # past both eviction ages
+        assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5).status_code == 200
+        assert held[0].response(1.0)[0] == 503  # the oldest trickling head went, not the idle ones
+        for c in idle:
+            assert not c.readable(0.2)  # still open, nothing said
+    finally:
+        [c.close() for c in idle + held]
         server.stop()
 
 
