@@ -39,8 +39,10 @@ from tide import metrics
 from tide.engine import openai_api as api
 
 CONNECTION_KEY = "tide.connection"
-# a head still incomplete after this long is not a prompt client's: its connection may be evicted
-EVICT_AFTER_S = 0.1
+# a connection trickling a head may be evicted once its head is this old (not in the same burst of
+# segments as its first byte). At the limit someone gets a 503 either way, the newcomer or the
+# oldest trickling head; the latter is the likelier slow client, so this is kept short.
+EVICT_AFTER_S = 0.01
 # an idle connection (kept alive, or silent since it connected) may be evicted after this long
 IDLE_EVICT_AFTER_S = 1.0
 # how long a refused or closed connection is read and dropped before its socket closes
