@@ -23,6 +23,16 @@ if [ "${TIDE_SKIP_SGLANG:-0}" != 1 ]; then
   bash scripts/install_sglang_cpu.sh
 fi
 
+# guidellm (vLLM's load generator for OpenAI-compatible servers) drives the engine in
+# tests/integration/test_openai_client.py. It pins click and multidict below TIDE's and brings
+# uvloop and httptools, which uvicorn would then pick for the engine too; so it gets a virtual
+# environment of its own that sees TIDE's packages (torch, transformers) but changes none of them.
+GUIDELLM_VENV="${TIDE_GUIDELLM_VENV:-${TIDE_HOME:-$HOME/.cache/tide}/venvs/guidellm}"
+if ! "$GUIDELLM_VENV/bin/guidellm" --version 2>/dev/null | grep -q "0.8.1"; then
+  python3 -m venv --system-site-packages "$GUIDELLM_VENV"
+  "$GUIDELLM_VENV/bin/python" -m pip install -q "guidellm==0.8.1"
+fi
+
 # The engine's few-row linear kernel (tide/models/rowkernel.py) is compiled once with the system C
 # compiler; without one TIDE falls back to torch's (slower) kernels. Install gcc where we can.
 if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then

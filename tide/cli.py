@@ -48,16 +48,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _service_argv(args: argparse.Namespace) -> list[str]:
-    """The verb's ``--config`` for the service's own parser (its other flags: ``python -m``)."""
-    return ["--config", args.config] if getattr(args, "config", None) else []
+    """The service's own command line: the verb's ``--config`` and every flag after the verb that
+    tide's parser does not know (``tide serve --port 9000``), which the service's parser checks."""
+    return (["--config", args.config] if getattr(args, "config", None) else []) + args.service_flags
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if getattr(args, "engine", "reference") == "sglang":
+    if args.engine == "sglang":
         from tide.services.sglang_engine import main as sglang_main
 
-        target = ["--target", args.target] if args.target else []
-        return sglang_main(_service_argv(args) + target)
+        return sglang_main(_service_argv(args))
     from tide.services.engine import main as engine_main
 
     return engine_main(_service_argv(args))
@@ -210,12 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                            ("ingest", cmd_ingest, "run ingest: Kafka to Parquet (python -m tide.services.ingest)"),
                            ("scheduler", cmd_scheduler,
                             "run the retrain scheduler (python -m tide.services.scheduler)")):
-        p = sub.add_parser(name, help=what)
-        p.set_defaults(fn=fn)
-        if name == "serve":
+        # no -h of its own: `tide serve --help` is the service's help, with the service's flags
+        p = sub.add_parser(name, help=what + "; takes the service's flags", add_help=False)
+        p.set_defaults(fn=fn, passes_flags=True)
+        if name == "serve":  # --target and the rest go through to the engine service chosen here
             p.add_argument("--engine", choices=("reference", "sglang"), default="reference",
-                           help="sglang: run an SGLang server with TIDE's plugin (python -m tide.services.sglang_engine)")
-            p.add_argument("--target", help="(--engine sglang) the target model for SGLang (overrides sglang.target)")
+                           help="sglang: an SGLang server with TIDE's plugin (python -m tide.services.sglang_engine)")
 
     p = sub.add_parser("ask", help="answer one prompt in-process")
     p.add_argument("prompt")
@@ -253,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_token)
 
     _accept_common_options_after_verbs(parser)
-    args = parser.parse_args(argv)
+    args, args.service_flags = parser.parse_known_args(argv)
+    if args.service_flags and not getattr(args, "passes_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(args.service_flags)}")
     return args.fn(args)
 
 

@@ -83,6 +83,15 @@ class ServerConfig:
     max_inflight_requests: int = 64
     max_body_bytes: int = 1_048_576  # larger request bodies get 413
     shutdown_grace_s: float = 10.0  # on stop, in-flight streams get this long to finish
+    # connections served at once; past it a newcomer takes the place of the connection trickling a
+    # request head for longest (else idle for longest, over a second), else gets 503 + Retry-After
+    max_connections: int = 1024
+    # a request head must arrive within this of the connection's start or its previous response's
+    # end (else 408, or a close when nothing came); a body within this of its head (else 408)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    retry_after_s: int = 1  # the Retry-After of every 503 (busy, at the connection limit, draining)
 
 
 @dataclass(frozen=True)

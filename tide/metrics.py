@@ -45,6 +45,11 @@ HTTP_REQUEST_SECONDS = Histogram(
     "tide_engine_http_request_seconds", "Wall time from request to last byte (streams included)",
     ["route"], buckets=(0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 HTTP_INFLIGHT = Gauge("tide_engine_http_inflight_generations", "Generation requests being served")
+HTTP_CONNECTIONS = Gauge("tide_engine_http_connections", "HTTP connections being served (lingering closes not counted)")
+HTTP_CONNECTIONS_REFUSED = Counter(
+    "tide_engine_http_connections_refused_total",
+    "Connections refused or closed by the server's limits: limit (503 at connect), evicted (gave its place "
+    "to a newcomer), header_timeout, body_timeout", ["reason"])
 HTTP_TTFT_SECONDS = Histogram(
     "tide_engine_time_to_first_token_seconds", "Request arrival to the engine's first token event",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

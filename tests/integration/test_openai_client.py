@@ -7,8 +7,12 @@ greedy output, whatever fields the client sends.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -16,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from tide.config import EngineConfig, ServerConfig
+from tide.config import EngineConfig, ServerConfig, default_home
 from tide.engine.reference import ReferenceEngine, eos_ids_of
 from tide.engine.server import HttpServer, build_app
 from tide.models.llama import LlamaTarget
@@ -62,7 +66,7 @@ def tiny(tmp_path_factory):
     url = f"http://127.0.0.1:{server.start()}"
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     yield SimpleNamespace(target=target, tok=tok, engine=engine, url=url, client=client,
-                          eos=eos_ids_of(tok, folder))
+                          eos=eos_ids_of(tok, folder), folder=folder)
     server.stop()
     engine.close()
 
@@ -168,3 +172,30 @@ def test_a_queued_request_whose_client_left_is_never_prefilled(tiny) -> None:
     finally:
         tiny.engine.set_capture_sink(None)
         sink.gate.set()
+
+
+def guidellm() -> str:
+    """The guidellm command: scripts/install.sh puts it in a virtual environment of its own."""
+    venv = Path(os.environ.get("TIDE_GUIDELLM_VENV") or default_home() / "venvs" / "guidellm")
+    if not (venv / "bin" / "guidellm").exists():
+        pytest.skip(f"guidellm is not installed in {venv}: run scripts/install.sh")
+    return str(venv / "bin" / "guidellm")
+
+
+def test_guidellm_load_generator_gets_no_failed_request(tiny, tmp_path) -> None:
+    """guidellm (vLLM's load generator) as its users run it: 4 concurrent streams, synthetic
+    prompts of a fixed token count, fixed output length (it sends ignore_eos, max_completion_tokens
+    and stream_options.continuous_usage_stats, each a 400 before issue 21)."""
+    requests, out_tokens, report = 12, 8, tmp_path / "guidellm.json"
+    argv = [guidellm(), "run", "--backend", f"kind=openai_http,target={tiny.url},request_format=/v1/chat/completions",
+            "--profile", "kind=concurrent,streams=4", "--constraint", f"kind=max_requests,count={requests}",
+            "--data", f"kind=synthetic_text,prompt_tokens=24,output_tokens={out_tokens}",
+            "--tokenizer", f"kind=hf_auto,model={tiny.folder}", "--output", f"kind=json,path={report}",
+            "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    done = json.loads(report.read_text())["benchmarks"][0]["requests"]
+    failed = done["errored"] + done["incomplete"]
+    assert not failed, failed[0]["info"].get("error")
+    assert len(done["successful"]) == requests

@@ -46,3 +46,26 @@ def test_token_of_a_running_stack(tmp_path, capsys):
 def test_service_verbs_start_the_packaged_services(tmp_path, verb, capsys):
     """``tide serve|ingest|scheduler`` run tide/services/*: a missing config file exits 2 (before torch)."""
     assert main([verb, "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+@pytest.mark.parametrize("verb,flags,module", [
+    ("serve", ["--port", "8123", "--host", "127.0.0.1", "--bootstrap-servers", "h:1"], "engine"),
+    ("ingest", ["--data-dir", "/tmp/x", "--bootstrap-servers", "h:1"], "ingest"),
+    ("scheduler", ["--data-dir", "/tmp/x", "--log-level", "WARNING"], "scheduler"),
+])
+def test_service_verbs_pass_the_services_own_flags(tmp_path, verb, flags, module, capsys):
+    """Flags after the verb reach the service's parser: it accepts its own, refuses others, answers --help."""
+    assert main([verb, *flags, "--config", str(tmp_path / "missing.yaml")]) == 2  # parsed; the config is missing
+    with pytest.raises(SystemExit) as exc:
+        main([verb, "--no-such-flag"])
+    assert exc.value.code == 2
+    assert f"python -m tide.services.{module}: error: unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([verb, "--help"])
+    assert exc.value.code == 0 and f"usage: python -m tide.services.{module}" in capsys.readouterr().out
+
+
+def test_other_verbs_still_refuse_unknown_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["token", "--port", "1"])
+    assert exc.value.code == 2 and "unrecognized arguments: --port 1" in capsys.readouterr().err

@@ -72,6 +72,7 @@ class Job:
     prompt_len: int
     stops: tuple[str, ...]
     include_usage: bool
+    usage_on_every_chunk: bool = False
     admitted: bool = False
     stream: EngineStream | None = None
     first: TokenEvent | None = None
@@ -143,7 +144,8 @@ class Generations:
         max_new = api.check_limits(req, len(ids), self.limits)
         sampling = self.sampling(req, max_new)
         job = Job(rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
-                  chat=chat, prompt_len=len(ids), stops=req.stop_strings, include_usage=req.include_usage_chunk)
+                  chat=chat, prompt_len=len(ids), stops=req.stop_strings, include_usage=req.include_usage_chunk,
+                  usage_on_every_chunk=req.usage_on_every_chunk)
         self.admission.enter()
         job.admitted = True
         try:
@@ -153,7 +155,7 @@ class Generations:
             try:
                 job.first = await job.stream.next()
             except Exception as exc:  # noqa: BLE001
-                raise engine_error(exc, job.rid) from exc
+                raise engine_error(exc, job.rid, self.admission.retry_after_s) from exc
             if job.first is None:
                 raise api.APIError(500, "engine ended the request without output", "engine_error")
             metrics.HTTP_TTFT_SECONDS.observe(time.perf_counter() - t0)
@@ -191,7 +193,7 @@ class Generations:
             try:
                 event = await job.stream.next()
             except Exception as exc:  # noqa: BLE001
-                raise engine_error(exc, job.rid) from exc
+                raise engine_error(exc, job.rid, self.admission.retry_after_s) from exc
         else:
             delta = ""
             job.finish_reason = "stop"  # iterator ended without a finished event
@@ -219,8 +221,12 @@ class Generations:
 
         def chunk(text: str | None, reason: str | None) -> str:
             if chat:
-                return sse(api.chat_chunk(job.rid, job.created, model, {"content": text} if text else {}, reason))
-            return sse(api.completion_chunk(job.rid, job.created, model, text, reason))
+                obj = api.chat_chunk(job.rid, job.created, model, {"content": text} if text else {}, reason)
+            else:
+                obj = api.completion_chunk(job.rid, job.created, model, text, reason)
+            if job.usage_on_every_chunk:
+                obj["usage"] = api.usage(job.prompt_len, job.completion_tokens)
+            return sse(obj)
 
         try:
             if chat:

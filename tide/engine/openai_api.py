@@ -30,12 +30,13 @@ class APIError(Exception):
     """A request the server refuses; rendered as an OpenAI-style error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param)
@@ -52,6 +53,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension, sent by guidellm and other load tools: usage so far on every chunk
+    continuous_usage_stats: bool = False
 
 
 # Temperatures below this are greedy, as in vLLM/SGLang: dividing logits by 1e-40 overflows to
@@ -75,7 +78,8 @@ class _GenerationFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (plus TIDE extensions).
 
     Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k, seed, stop (strings
-    or token ids), stop_token_ids, ignore_eos, stream, stream_options.include_usage. Accepted
+    or token ids), stop_token_ids, ignore_eos, stream, stream_options.include_usage and
+    .continuous_usage_stats (vLLM's: usage on every chunk). Accepted
     because they do not change generation: user, metadata, store, service_tier. Accepted only at
     their inert value (else 400): the keys of _INERT_VALUES, n=1, logit_bias={}.
     """
@@ -211,6 +215,10 @@ class _GenerationFields(_Strict):
     @property
     def include_usage_chunk(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_GenerationFields):

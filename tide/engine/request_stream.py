@@ -100,31 +100,35 @@ class EngineStream:
         return item
 
 
-def engine_error(exc: BaseException, rid: str) -> api.APIError:
+def engine_error(exc: BaseException, rid: str, retry_after_s: int) -> api.APIError:
     """The status for an exception from the engine; a 500's text goes to the log, not the client."""
     if isinstance(exc, ValueError):
         return api.APIError(400, f"engine refused the request: {exc}")
     if isinstance(exc, (queue.Full, TimeoutError, ConnectionError)):
         log.warning("request %s: engine unavailable: %s", rid, exc)
-        return api.APIError(503, "engine unavailable; retry later", "engine_unavailable")
+        return api.APIError(503, "engine unavailable; retry later", "engine_unavailable",
+                            headers={"Retry-After": str(retry_after_s)})
     log.error("request %s failed in the engine", rid, exc_info=exc)
     return api.APIError(500, f"engine error in request {rid}; details are in the server log", "engine_error")
 
 
 class Admission:
-    """Counts generation requests in flight; refuses beyond the limit or while draining."""
+    """Counts generation requests in flight; refuses beyond the limit or while draining (503 with
+    Retry-After, which the openai client and most load tools honour)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, retry_after_s: int = 1) -> None:
         self.limit = limit
+        self.retry_after_s = retry_after_s
         self.count = 0
         self.draining = False
 
     def enter(self) -> None:
+        retry = {"Retry-After": str(self.retry_after_s)}
         if self.draining:
-            raise api.APIError(503, "server is shutting down", "server_unavailable")
+            raise api.APIError(503, "server is shutting down", "server_unavailable", headers=retry)
         if self.count >= self.limit:
             raise api.APIError(503, f"server busy: {self.count} requests in flight (limit {self.limit})",
-                               "server_overloaded")
+                               "server_overloaded", headers=retry)
         self.count += 1
         metrics.HTTP_INFLIGHT.set(self.count)
 

@@ -30,6 +30,7 @@ from tide.config import EngineConfig, ServerConfig
 from tide.engine import openai_api as api
 from tide.engine.base import Engine
 from tide.engine.generation import ClientGone, Generations, unless_client_leaves
+from tide.engine.http_conn import ConnectionLimits
 from tide.engine.http_guard import HttpGuard, HttpMetrics, require_control_token
 from tide.engine.request_stream import Admission
 
@@ -69,7 +70,7 @@ class _Routes:
         self.engine = engine
         self.engine_cfg = engine_cfg
         self.ops = ops
-        self.admission = Admission(cfg.max_inflight_requests)
+        self.admission = Admission(cfg.max_inflight_requests, cfg.retry_after_s)
         limits = api.Limits(engine.max_seq_len, engine_cfg.max_prompt_tokens,
                             engine_cfg.max_new_tokens_limit, engine_cfg.default_max_new_tokens)
         self.gen = Generations(engine, limits, self.admission)
@@ -149,7 +150,7 @@ class _Routes:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(api.APIError)
     async def _api_error(_: Request, exc: api.APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -186,10 +187,12 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig,
     app = FastAPI(title="TIDE engine", version="0.1.0")
     routes = _Routes(engine, cfg, engine_cfg, ops)
     app.state.control_token = cfg.control_token
+    app.state.server_config = cfg
     app.state.engine = engine
     app.state.admission = routes.admission
     app.state.generations = routes.gen
-    app.add_middleware(HttpGuard, max_body_bytes=cfg.max_body_bytes, control_token=cfg.control_token)
+    app.add_middleware(HttpGuard, max_body_bytes=cfg.max_body_bytes, control_token=cfg.control_token,
+                       body_timeout_s=cfg.body_timeout_s)
     app.add_middleware(HttpMetrics)  # outermost: counts the guard's refusals too
     _install_error_handlers(app)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
@@ -206,13 +209,17 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig,
 
 
 class HttpServer:
-    """uvicorn in a background thread (so it installs no signal handlers of its own)."""
+    """uvicorn in a background thread (so it installs no signal handlers of its own), each connection
+    under tide/engine/http_conn.py's limits and head deadline (those of build_app's ServerConfig)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = 10.0,
                  log_level: str = "info") -> None:
         self.app = app
+        cfg: ServerConfig = app.state.server_config
+        self.limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout_s, cfg.retry_after_s)
         self._server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_level=log_level, lifespan="off", access_log=False,
+            http=self.limits.protocol, timeout_keep_alive=cfg.keep_alive_timeout_s,  # type: ignore[arg-type]
             timeout_graceful_shutdown=max(1, int(grace_s))))
         self._thread = threading.Thread(target=self._server.run, name="tide-http", daemon=True)
 

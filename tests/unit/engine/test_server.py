@@ -105,6 +105,18 @@ def test_completion_stream_matches_non_stream(url: str, fake: FakeEngine) -> Non
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 60
 
 
+def test_continuous_usage_stats_put_usage_on_every_chunk(url: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats, which guidellm sends (was a 400)."""
+    payloads = stream(url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    content = [p for p in payloads[:-1] if p["choices"] and p["choices"][0]["delta"].get("content")]
+    counts = [p["usage"]["completion_tokens"] for p in content]
+    assert counts == sorted(counts) and 0 < counts[0] and counts[-1] <= 20
+    assert all(p["usage"]["prompt_tokens"] == content[0]["usage"]["prompt_tokens"] for p in content)
+    assert payloads[-2]["choices"] == [] and payloads[-2]["usage"]["completion_tokens"] == 20
+
+
 def test_chat_non_stream_applies_template(url: str, fake: FakeEngine) -> None:
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
