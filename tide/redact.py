@@ -14,7 +14,10 @@ import dataclasses
 import re
 from typing import Any
 
-SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_?KEY|AUTH", re.I)
+# a credential's name part, between underscores or the ends: HF_TOKEN, AWS_SECRET_ACCESS_KEY,
+# GOOGLE_APPLICATION_CREDENTIALS, but not TIDE_TRAIN__MAX_TRAIN_TOKENS
+SECRET_NAME = re.compile(r"(^|_)(PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIALS?|PRIVATE_KEY|API_?KEY|ACCESS_?KEY|AUTH)(_|$)",
+                         re.I)
 _URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^/@\s:]*:)[^/@\s]*@", re.I)
 MASK = "***"
 REFERENCE_FIELDS = {"k8s_secret_env"}  # names of Secrets, not their values

@@ -395,14 +395,14 @@ def test_collapse_guard_rolls_back_on_time_while_the_registry_hangs(tiny, mlflow
         os.killpg(svc.proc.pid, signal.SIGSTOP)
         try:
             wait(lambda: (ops()["registry_call_s"] or 0) > 0.5, 30, what="the follower's registry call to hang")
-            texts = [b["choices"][0]["text"] for b in s.traffic(rounds=3)]
+            texts = [b["choices"][0]["text"] for b in s.traffic()]  # ~300 forwards: 5 guard windows
             wait(lambda: s.serving() == "1", 30, what="the guard to swap drafter 1 back while MLflow hangs")
             hung = ops()
             assert hung["registry_call_s"] > 1.0 and hung["pending_registry_rollback"] == str(v2), hung
             assert str(v2) in hung["refused"] and "below floor" in hung["refused"][str(v2)]
         finally:
             os.killpg(svc.proc.pid, signal.SIGCONT)
-        assert sorted(texts) == sorted(reference_text(tiny, p) for p in PROMPTS * 3)  # lossless throughout
+        assert sorted(texts) == sorted(reference_text(tiny, p) for p in PROMPTS)  # lossless throughout
         wait(lambda: registry.aliases().get(CHAMPION) == 1, 120, what="the alias to move back once MLflow answers")
         last = registry.operations()[-1]
         assert (last["op"], last["actor"], last["from"], last["to"]) == ("rollback", "collapse-guard", v2, 1)

@@ -126,6 +126,14 @@ def test_a_plain_credential_is_refused_without_showing_it(name, value):
     assert "hunter2" not in str(info.value) and "k8s_secret_env" in str(info.value)
 
 
+def test_plain_settings_that_merely_mention_tokens_pass():
+    from tide.schedule.kubernetes_launcher import KubernetesLauncher
+
+    env = {"TIDE_TRAIN__MAX_TRAIN_TOKENS": "32000", "TIDE_ENGINE__MAX_PROMPT_TOKENS": "512",
+           "TIDE_REGISTRY__TRACKING_URI": "http://mlflow.tide.svc:5000", "KEYBOARD": "us"}
+    KubernetesLauncher(_sc(), env)
+
+
 def test_the_job_meets_the_restricted_pod_security_standard():
     pod = _manifest(_sc())["spec"]["template"]["spec"]
     (c,) = pod["containers"]
