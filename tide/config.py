@@ -213,7 +213,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    """MLflow tracking store and model registry (tide/registry.py)."""
+    """MLflow tracking store and model registry (tide/registry/)."""
 
     tracking_uri: str = ""  # empty = sqlite:///<home>/mlflow/mlflow.db
     registry_uri: str = ""  # empty = tracking_uri
