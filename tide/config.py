@@ -217,7 +217,9 @@ class RegistryConfig:
 
     tracking_uri: str = ""  # empty = sqlite:///<home>/mlflow/mlflow.db
     registry_uri: str = ""  # empty = tracking_uri
-    artifact_location: str = ""  # new experiment's artifact root; empty = <home>/mlflow/artifacts
+    # the experiment's artifact root, and the only place a served version's files may come from
+    # (a version whose source lies elsewhere is refused); empty = <home>/mlflow/artifacts
+    artifact_location: str = ""
     experiment_name: str = "tide-retrain"
     registered_model_name: str = "tide-drafter-smollm2"
     cache_dir: str = ""  # downloaded versions; empty = <home>/registry-cache
