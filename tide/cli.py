@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from tide.config import config_as_dict, load_config
+from tide.config import load_config
+from tide.redact import config_as_dict
 
 
 def _config(args: argparse.Namespace, **overrides):

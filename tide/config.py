@@ -79,6 +79,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     control_token: str = ""  # empty = control endpoints disabled (401 for everyone)
+    control_port: int = 0  # 0 = /control/* on ``port``; else only on this port (NetworkPolicy-able)
     # generation requests served at once; more get 503 (each holds a thread while it waits)
     max_inflight_requests: int = 64
     max_body_bytes: int = 1_048_576  # larger request bodies get 413
@@ -227,16 +228,20 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    """MLflow tracking store and model registry (tide/registry.py)."""
+    """MLflow tracking store and model registry (tide/registry/)."""
 
     tracking_uri: str = ""  # empty = sqlite:///<home>/mlflow/mlflow.db
     registry_uri: str = ""  # empty = tracking_uri
-    artifact_location: str = ""  # new experiment's artifact root; empty = <home>/mlflow/artifacts
+    # the experiment's artifact root, and the only place a served version's files may come from
+    # (a version whose source lies elsewhere is refused); empty = <home>/mlflow/artifacts
+    artifact_location: str = ""
     experiment_name: str = "tide-retrain"
     registered_model_name: str = "tide-drafter-smollm2"
     cache_dir: str = ""  # downloaded versions; empty = <home>/registry-cache
     http_timeout_s: float = 10.0  # per request to a tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT)
     http_max_retries: int = 2  # MLFLOW_HTTP_REQUEST_MAX_RETRIES
+    # a version whose listed files add up to more is refused before anything is downloaded
+    max_artifact_bytes: int = 8 << 30
     # a pending registration or RUNNING run whose process cannot be checked (another host) is
     # treated as dead after this long
     stale_after_s: float = 7200.0
@@ -303,7 +308,12 @@ class ScheduleConfig:
     k8s_gpu_count: int = 1  # 0 = CPU-only job
     k8s_cpu: str = "4"
     k8s_memory: str = "32Gi"
-    k8s_env: Mapping[str, str] = field(default_factory=dict)  # extra env for the job's container
+    # extra plain env for the job's container: no credentials (a name that looks like one, or a
+    # URL with a password, is refused at start); those go in k8s_secret_env
+    k8s_env: Mapping[str, str] = field(default_factory=dict)
+    # env from Kubernetes Secrets: {NAME: "secret-name/key"} -> secretKeyRef (values never pass here)
+    k8s_secret_env: Mapping[str, str] = field(default_factory=dict)
+    k8s_tide_home: str = "/var/lib/tide"  # TIDE_HOME in k8s_image; the Job's writable folders are under it
     k8s_config_map: str = ""  # ConfigMap with key config.yaml, mounted at /etc/tide in the job
     k8s_data_pvc: str = ""  # PVC holding the Parquet dataset, mounted at k8s_data_mount_path
     k8s_data_mount_path: str = "/data/dataset"
@@ -466,14 +476,3 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
             else:
                 merged[key] = dict(value) if isinstance(value, Mapping) else value
     return _build(TideConfig, merged, "config")
-
-
-def config_as_dict(cfg: Any) -> dict[str, Any]:
-    """Resolved config for logging at start (secrets redacted)."""
-    data = dataclasses.asdict(cfg)
-    for section in data.values():
-        if isinstance(section, dict):
-            for key in section:
-                if key.endswith("_token") or "password" in key or "secret" in key:
-                    section[key] = "***" if section[key] else ""
-    return data

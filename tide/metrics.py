@@ -145,6 +145,9 @@ OPS_LIVE_ACCEPT = Gauge("tide_ops_live_accept_length_tokens",
                         "Mean tokens per target forward over the guard's last window", ["drafter_version"])
 OPS_REGISTRY_CONNECTED = Gauge("tide_ops_registry_connected",
                                "1 while the engine's drafter follower last reached the registry")
+OPS_FOLLOWED_REFUSED = Gauge("tide_ops_followed_version_refused",
+                             "1 while the followed alias points at a version this engine refused "
+                             "(it keeps serving the drafter it had)")
 OPS_OPERATIONS = Counter("tide_ops_operations_total",
                          "Drafter control API calls (list/promote/rollback/operations), by outcome",
                          ["op", "outcome"])

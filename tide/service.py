@@ -12,7 +12,8 @@ import logging
 import signal
 import threading
 
-from tide.config import ConfigError, TideConfig, config_as_dict, load_config
+from tide.config import ConfigError, TideConfig, load_config
+from tide.redact import config_as_dict
 
 
 def start(name: str, config_path: str | None, overrides: dict | None, log_level: str = "INFO",

@@ -19,6 +19,7 @@ so each part can be pointed at an external service instead by editing one file.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -30,6 +31,7 @@ import yaml
 
 from tide import prometheus
 from tide.process import ServiceProcess, free_port, port_or_free, python_service
+from tide.redact import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,34 @@ def _tcp_ready(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` readable by its owner only from the first byte (it holds the
+    control token): a new file made 0600 whatever the umask, filled, then renamed over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # the umask could only have removed bits; make it exact
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def mlflow_server(root: Path, port: int, log_path: Path) -> ServiceProcess:
+    """An MLflow tracking server on loopback (SQLite store and served artifacts under ``root``),
+    not started yet; its process group is its own (``ServiceProcess``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    return ServiceProcess("mlflow", [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+                                     "--port", str(port), "--workers", "1",
+                                     "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                                     "--artifacts-destination", str(root / "artifacts")],
+                          log_path, env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                          health_url=f"http://127.0.0.1:{port}/health")
 
 
 @dataclass
@@ -79,10 +109,7 @@ class Stack:
             ports = {"engine": self.opts.port("engine"), "ingest": free_port(), "scheduler": free_port()}
             token = secrets.token_hex(16)
             cfg = self._config(bootstrap, tracking, ports, token)
-            self.config_path = home / "run" / "tide.yaml"
-            self.config_path.parent.mkdir(parents=True, exist_ok=True)
-            self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=True))
-            self.config_path.chmod(0o600)  # holds the control token
+            self.config_path = write_private(home / "run" / "tide.yaml", yaml.safe_dump(cfg, sort_keys=True))
             env = {"TIDE_HOME": str(home)}
             conf = ["--config", str(self.config_path)]
             self._run(python_service("engine", self.opts.engine_module, [*conf, *self.opts.engine_args], logs, env,
@@ -128,15 +155,7 @@ class Stack:
 
     def _start_mlflow(self, logs: Path) -> str:
         port = self.opts.port("mlflow")
-        root = self.opts.home / "mlflow"
-        root.mkdir(parents=True, exist_ok=True)
-        svc = ServiceProcess("mlflow", [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
-                                        "--port", str(port), "--workers", "1",
-                                        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                                        "--artifacts-destination", str(root / "artifacts")],
-                             logs / "mlflow.log", env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-                             health_url=f"http://127.0.0.1:{port}/health")
-        self._run(svc, timeout_s=180)
+        self._run(mlflow_server(self.opts.home / "mlflow", port, logs / "mlflow.log"), timeout_s=180)
         return f"http://127.0.0.1:{port}"
 
     @property
@@ -203,4 +222,4 @@ class Stack:
         rows = [(k, v) for k, v in first if v] + [(k, v) for k, v in self.endpoints.items()
                                                    if k not in ("page", "mlflow")]
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+        return "\n".join(f"  {k:<{width}}  {redact_url(v)}" for k, v in rows)  # --tracking-uri may hold a password

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -28,8 +30,10 @@ from tide.contracts import (
     CHALLENGER,
     CHAMPION,
     PREVIOUS_CHAMPION,
+    TAG_CHECKSUM,
     TAG_PARENT,
     TAG_PARENT_SIM_ACCEPT,
+    TAG_REGISTRATION,
     TAG_SIM_ACCEPT,
 )
 from tide.drafter.artifact import load_drafter, save_drafter
@@ -256,6 +260,22 @@ def bad_version(kind: str, tiny, registry: Registry) -> int:
         d = perturbed(tiny, 6)
         d.set_vocab_mapping(build_d2t(torch.arange(512), d.shape.draft_vocab_size))
         return register(registry, save_drafter(d, root))
+    if kind == "config":  # zero heads and no head_dim: the old loader divided by zero
+        folder = save_drafter(perturbed(tiny, 12), root)
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.pop("head_dim")
+        (folder / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+        return register(registry, folder)
+    if kind == "tag":  # a checksum tag that would become part of a cache path
+        version = register(registry, save_drafter(perturbed(tiny, 13), root))
+        registry.set_version_tag(version, TAG_CHECKSUM, "/../../../../victim" + "0" * 45)
+        return version
+    if kind == "source":  # a valid drafter whose files lie outside the artifact root
+        folder = save_drafter(perturbed(tiny, 14), root / ARTIFACT_PATH)
+        registry._ensure_model()
+        mv = registry.client.create_model_version(registry.model_name, folder.as_uri(), tags={
+            TAG_CHECKSUM: folder_digest(folder), TAG_REGISTRATION: "complete", TAG_PARENT: "1"})
+        return int(mv.version)
     # pickle-only artifact: config + pytorch_model.bin, no safetensors; logged by hand since the
     # facade's log_drafter refuses it (an external trainer might not)
     folder = save_drafter(perturbed(tiny, 7), root)
@@ -270,10 +290,13 @@ def bad_version(kind: str, tiny, registry: Registry) -> int:
 
 
 @pytest.mark.parametrize("kind,why", [("checksum", "hash"), ("hidden_size", "does not fit the target"),
-                                      ("vocab_mapping", "vocab mapping"), ("pickle", "pickle")])
+                                      ("vocab_mapping", "vocab mapping"), ("pickle", "pickle"),
+                                      ("config", "num_heads 0 outside"), ("tag", "not 64 hex"),
+                                      ("source", "not under the artifact root")])
 def test_bad_versions_are_refused_while_the_champion_keeps_serving(make_stack, tiny, kind, why):
     s = make_stack()
     bad = bad_version(kind, tiny, s.registry)
+    refusals = REGISTRY.get_sample_value("tide_ops_swap_checks_total", {"outcome": "refused"}) or 0.0
     # straight in the registry (an operator bypassing the engine): the engine refuses to follow
     s.registry.promote(bad, actor="cli:test", reason="by hand")
     out = s.control("POST", "check").json()
@@ -281,13 +304,21 @@ def test_bad_versions_are_refused_while_the_champion_keeps_serving(make_stack, t
     assert s.serving() == "1"
     assert s.complete(PROMPTS[0])["choices"][0]["text"] == reference_text(tiny, PROMPTS[0])
     assert s.control("POST", "check").json()["status"] == "refused"  # remembered, not retried
-    health = s.control("GET", "health").json()  # details need the token; /health shows status only
-    assert str(bad) in health["ops"]["refused"] and health["ops"]["serving"] == "1"
+    health = s.control("GET", "health").json()["ops"]  # details need the token; /health shows status only
+    assert str(bad) in health["refused"] and health["serving"] == "1"
+    # reported as refused, once; the registry answered, so it is not an outage
+    assert (health["state"], health["registry_connected"], health["last_error"]) == ("refused", True, None)
+    assert REGISTRY.get_sample_value("tide_ops_followed_version_refused") == 1
+    assert REGISTRY.get_sample_value("tide_ops_registry_connected") == 1
+    assert REGISTRY.get_sample_value("tide_ops_swap_checks_total", {"outcome": "refused"}) == refusals + 1
     # through the control API: validated again, refused before the alias moves
     assert s.control("POST", "promote", {"version": 1}).json()["outcome"]["status"] == "unchanged"
     resp = s.control("POST", "promote", {"version": bad, "actor": "carol"})
     assert resp.status_code == 409 and why in resp.json()["error"]["message"], resp.text
     assert s.registry.aliases()[CHAMPION] == 1 and s.serving() == "1"
+    assert s.control("POST", "check").json()["status"] == "unchanged"
+    assert REGISTRY.get_sample_value("tide_ops_followed_version_refused") == 0
+    assert s.control("GET", "health").json()["ops"]["state"] == "following"
 
 
 # --- collapse guard ----------------------------------------------------------------------------
@@ -318,6 +349,67 @@ def test_collapse_guard_rolls_back_a_randomized_version_promoted_by_hand(make_st
     assert s.serving() == "1"
     texts = [b["choices"][0]["text"] for b in s.traffic()]
     assert sorted(texts) == sorted(reference_text(tiny, p) for p in PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def mlflow_http(tmp_path_factory):
+    """A real `mlflow server` (the process `tide up` starts), to be SIGSTOPped by a test."""
+    from tide.process import free_port
+    from tide.stack import mlflow_server
+
+    root = tmp_path_factory.mktemp("ops-mlflow-http")
+    port = free_port()
+    svc = mlflow_server(root / "server", port, root / "mlflow.log").start()
+    try:
+        svc.wait_healthy(300)
+        yield svc, f"http://127.0.0.1:{port}", root / "artifacts"
+    finally:
+        os.killpg(svc.proc.pid, signal.SIGCONT)
+        svc.stop()
+
+
+def randomized(tiny):
+    bad = perturbed(tiny, 8)
+    with torch.no_grad():
+        bad.lm_head.weight.normal_()
+        bad.fc.weight.normal_()
+    return bad
+
+
+def test_collapse_guard_rolls_back_on_time_while_the_registry_hangs(tiny, mlflow_http, tmp_path, monkeypatch,
+                                                                    wait):
+    svc, uri, artifacts = mlflow_http
+    # a stopped server accepts connections and never answers: each call hangs until MLflow's
+    # client times out; make that outlast the test (the environment wins over the config)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "600")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    cfg = make_config(tiny, (uri, artifacts), tmp_path / "home", f"ops-{uuid.uuid4().hex[:8]}", guard_enabled=True,
+                      guard_interval_s=0.1, guard_window_forwards=60, guard_floor=1.2, poll_interval_s=0.3)
+    s, registry = Stack(cfg), Registry.from_config(cfg)
+    try:
+        s.traffic()  # drafter 1's live baseline
+        v2 = register(registry, save_drafter(randomized(tiny), tiny.root / "hang-randomized"))
+        registry.promote(v2, actor="cli:mallory")
+        wait(lambda: s.serving() == str(v2), 30, what="the engine to follow the promotion")
+        ops = lambda: s.control("GET", "health").json()["ops"]  # noqa: E731
+        os.killpg(svc.proc.pid, signal.SIGSTOP)
+        try:
+            wait(lambda: (ops()["registry_call_s"] or 0) > 0.5, 30, what="the follower's registry call to hang")
+            texts = [b["choices"][0]["text"] for b in s.traffic()]  # ~300 forwards: 5 guard windows
+            wait(lambda: s.serving() == "1", 30, what="the guard to swap drafter 1 back while MLflow hangs")
+            hung = ops()
+            assert hung["registry_call_s"] > 1.0 and hung["pending_registry_rollback"] == str(v2), hung
+            assert str(v2) in hung["refused"] and "below floor" in hung["refused"][str(v2)]
+        finally:
+            os.killpg(svc.proc.pid, signal.SIGCONT)
+        assert sorted(texts) == sorted(reference_text(tiny, p) for p in PROMPTS)  # lossless throughout
+        wait(lambda: registry.aliases().get(CHAMPION) == 1, 120, what="the alias to move back once MLflow answers")
+        last = registry.operations()[-1]
+        assert (last["op"], last["actor"], last["from"], last["to"]) == ("rollback", "collapse-guard", v2, 1)
+        wait(lambda: ops()["pending_registry_rollback"] is None, 30, what="the pending rollback to clear")
+        assert s.serving() == "1" and ops()["state"] == "following"
+    finally:
+        s.close()
 
 
 def test_collapse_with_no_previous_champion_alerts_and_keeps_serving(make_stack, wait):

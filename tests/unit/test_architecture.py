@@ -17,7 +17,7 @@ ROOT = Path(tide.__file__).resolve().parent
 # lowest first; a module may import its own layer and the ones before it
 LAYERS: list[tuple[str, ...]] = [
     ("tide.contracts",),  # what components exchange: stdlib only
-    ("tide.config", "tide.records", "tide.metrics", "tide.process", "tide.health_server"),
+    ("tide.config", "tide.redact", "tide.records", "tide.metrics", "tide.process", "tide.health_server"),
     ("tide.models", "tide.drafter", "tide.spec", "tide.workloads", "tide.dataset"),
     ("tide.engine", "tide.capture", "tide.registry"),  # the engine knows nothing of ops/training
     ("tide.ops", "tide.train", "tide.schedule", "tide.report", "tide.traffic", "tide.prometheus", "tide.broker"),

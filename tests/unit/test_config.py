@@ -1,7 +1,8 @@
 """Config loading: defaults, YAML, env overlay, unknown keys rejected, types coerced."""
 import pytest
 
-from tide.config import ConfigError, config_as_dict, load_config
+from tide.config import ConfigError, load_config
+from tide.redact import config_as_dict
 
 
 def test_defaults_need_no_file():
@@ -84,3 +85,40 @@ def test_one_kafka_section_for_capture_and_ingest(tmp_path):
     cfg = load_config(f, env={"TIDE_KAFKA__DEAD_LETTER_TOPIC": "t.dlq"})
     assert (cfg.kafka.bootstrap_servers, cfg.kafka.topic, cfg.kafka.dead_letter_topic) == (
         "k1:9092,k2:9092", "t", "t.dlq")
+
+
+def test_k8s_env_values_and_url_passwords_never_reach_the_logged_config():
+    cfg = load_config(env={}, overrides={
+        "schedule": {"k8s_env": {"AWS_SECRET_ACCESS_KEY": "hunter2", "PLAIN": "also-hidden"},
+                     "k8s_secret_env": {"MLFLOW_TRACKING_TOKEN": "tide-mlflow/token"}},
+        "registry": {"tracking_uri": "https://bob:hunter2@mlflow.example:5000"}})
+    logged = str(config_as_dict(cfg))
+    assert "hunter2" not in logged and "also-hidden" not in logged
+    d = config_as_dict(cfg)
+    assert d["schedule"]["k8s_env"] == {"AWS_SECRET_ACCESS_KEY": "***", "PLAIN": "***"}  # names stay
+    assert d["schedule"]["k8s_secret_env"] == {"MLFLOW_TRACKING_TOKEN": "tide-mlflow/token"}  # references
+    assert d["registry"]["tracking_uri"] == "https://bob:***@mlflow.example:5000"
+
+
+def test_the_service_start_log_and_registry_errors_hide_secrets(tmp_path, caplog):
+    import logging
+    import signal
+
+    from tide import service
+    from tide.config import RegistryConfig
+    from tide.registry import Registry, RegistryError
+
+    path = tmp_path / "c.yaml"
+    path.write_text("schedule:\n  k8s_env: {HF_TOKEN: hunter2}\nregistry:\n"
+                    "  tracking_uri: http://bob:hunter2@127.0.0.1:9\nserver:\n  control_token: hunter2\n")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with caplog.at_level(logging.INFO):
+            cfg, _ = service.start("test", str(path), None)
+    finally:  # start() installs the service's own handlers
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert "resolved config" in caplog.text and "hunter2" not in caplog.text
+    with pytest.raises(RegistryError) as info:  # nothing listens on port 9
+        Registry(RegistryConfig(tracking_uri=cfg.registry.tracking_uri, http_timeout_s=1), tmp_path)
+    assert "hunter2" not in str(info.value) and "bob:***@" in str(info.value)

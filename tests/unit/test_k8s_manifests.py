@@ -9,6 +9,10 @@ the config and the services' routes; the scheduler's Role grants exactly Kuberne
 calls; build_job over the ConfigMap's config (and the AMD overlay's env) asks for the GPU on the
 training pool and mounts objects that exist; every tide_* metric named under k8s/ is in
 tide/metrics.py; the Dockerfile installs the wheel and keeps the compiler out of the runtime stage.
+Security: every pod (the Deployments' and the retrain Job's) meets the Pod Security Standard
+"restricted" with a read-only root filesystem and a writable volume for each folder its process
+writes; the Job mounts no service-account token and gets credentials only through secretKeyRef;
+NetworkPolicies open the engine's control port and the registry only to the pods that need them.
 """
 import copy
 import dataclasses
@@ -152,7 +156,8 @@ def test_ports_probes_and_scrape_annotations_match_config_and_routes(tmp_path):
         host, port = listen[service]
         assert host == "0.0.0.0", f"{service} binds {host}: kubelet and Prometheus could not reach it"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert set(ports.values()) == {port}
+        extra = {cfg.server.control_port} if service == "engine" else set()
+        assert set(ports.values()) == {port} | extra
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             if probe in c:
                 get = c[probe]["httpGet"]
@@ -212,7 +217,7 @@ def test_retrain_job_from_the_configmap_lands_on_the_training_pool(tmp_path, ove
     assert "ReadWriteMany" in pvc["spec"]["accessModes"]  # ingest writes it while Jobs read it
     # the Job reads the dataset where ingest writes it
     ingest = _named("Deployment")["tide-ingest"]["spec"]["template"]["spec"]["containers"][0]
-    env_of_job = {e["name"]: e["value"] for e in c["env"]}
+    env_of_job = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     assert env_of_job["TIDE_INGEST__DATA_DIR"] in {m["mountPath"] for m in ingest["volumeMounts"]}
     assert env_of_job["TIDE_INGEST__DATA_DIR"] == cfg.ingest.data_dir
     assert load_config(env=env_of_job).model.torch_threads == int(cfg.schedule.k8s_cpu)
@@ -245,3 +250,166 @@ def test_engine_and_ingest_share_the_configmap_kafka_section(tmp_path):
     cfg = _config(tmp_path)
     assert cfg.capture.enabled and cfg.kafka.bootstrap_servers == "kafka.tide.svc:9092"
     assert cfg.kafka.topic != cfg.kafka.dead_letter_topic
+
+
+# --- security: Pod Security Standard "restricted", writable paths, secrets, network ------------------
+
+PSS_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+               "projected", "secret"}  # the volume types the restricted profile allows
+
+
+def _job(tmp_path, overlay: bool = False) -> dict:
+    env = _env(_amd_scheduler()["spec"]["template"]["spec"]["containers"][0]) if overlay else {}
+    cfg = _config(tmp_path, env=env)
+    return client.ApiClient().sanitize_for_serialization(
+        build_job(cfg.schedule, "20250101-000000-abc123", job_env(cfg)))
+
+
+def _pods(tmp_path) -> dict[str, dict]:
+    """Every pod spec that runs: the Deployments' templates and the retrain Jobs built from the ConfigMap."""
+    pods = {name: d["spec"]["template"]["spec"] for name, d in _named("Deployment").items()}
+    pods["tide-scheduler (amd)"] = _amd_scheduler()["spec"]["template"]["spec"]
+    pods["retrain Job"] = _job(tmp_path)["spec"]["template"]["spec"]
+    pods["retrain Job (amd)"] = _job(tmp_path, overlay=True)["spec"]["template"]["spec"]
+    return pods
+
+
+def _tide_home() -> str:
+    return re.search(r"TIDE_HOME=(\S+)", (K8S / "Dockerfile").read_text().split("AS runtime")[1]).group(1)
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard(tmp_path):
+    for name, pod in _pods(tmp_path).items():
+        psc = pod.get("securityContext") or {}
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), name
+        assert {k for v in pod.get("volumes", []) for k in v if k != "name"} <= PSS_VOLUMES, name
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c.get("securityContext") or {}
+            where = f"{name}/{c['name']}"
+            assert sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True, where
+            assert sc.get("runAsUser", psc.get("runAsUser", 1)) != 0, where
+            assert sc.get("allowPrivilegeEscalation") is False and not sc.get("privileged"), where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            assert set(sc.get("capabilities", {}).get("add") or []) <= {"NET_BIND_SERVICE"}, where
+            seccomp = sc.get("seccompProfile") or psc.get("seccompProfile") or {}
+            assert seccomp.get("type") in ("RuntimeDefault", "Localhost"), where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+
+
+def _writable(pod: dict, container: dict) -> set[str]:
+    kinds = {v["name"]: v for v in pod.get("volumes", [])}
+    out = set()
+    for m in container.get("volumeMounts", []):
+        volume = kinds[m["name"]]
+        if not m.get("readOnly") and ("emptyDir" in volume or "persistentVolumeClaim" in volume) \
+                and not (volume.get("persistentVolumeClaim") or {}).get("readOnly"):
+            out.add(m["mountPath"])
+    return out
+
+
+def _covered(path: str, writable: set[str]) -> bool:
+    return any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable)
+
+
+def test_every_folder_a_process_writes_is_a_writable_volume(tmp_path, monkeypatch):
+    """A read-only root filesystem: what each process writes (from the code's own defaults and the
+    ConfigMap) must lie on an emptyDir or a read-write PVC mount."""
+    from tide.registry.store import default_cache_dir
+    from tide.schedule.scheduler import default_state_path
+
+    cfg, home = _config(tmp_path), Path(_tide_home())
+    cache = Path(cfg.registry.cache_dir) if cfg.registry.cache_dir else default_cache_dir(home)
+    writes = {  # tempfile's folder everywhere; what each service writes besides
+        "engine": ["/tmp", str(cache)],
+        "ingest": ["/tmp", cfg.ingest.data_dir],
+        # state file and its job folder; SQLite's WAL readers write the index's -shm file
+        "scheduler": ["/tmp", str(default_state_path(cfg).parent), cfg.ingest.data_dir],
+    }
+    for dep, c in _containers():
+        service = c["command"][2].rpartition(".")[2]
+        writable = _writable(dep["spec"]["template"]["spec"], c)
+        assert [p for p in writes[service] if not _covered(p, writable)] == [], (service, writable)
+    job = _job(tmp_path)["spec"]["template"]["spec"]
+    (c,) = job["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    from tide.train.online import _work_root
+
+    monkeypatch.setenv("TIDE_HOME", env["TIDE_HOME"])  # the process reads its home from the environment
+    job_cfg = load_config(tmp_path / "config.yaml", env={k: v for k, v in env.items() if v is not None})
+    job_writes = [str(Path(kubernetes_launcher.RESULT_PATH_IN_POD).parent), str(_work_root(job_cfg)),
+                  job_cfg.registry.cache_dir, "/tmp"]
+    assert job_cfg.home_path == home  # the image's TIDE_HOME, where the emptyDirs are
+    assert [p for p in job_writes if not _covered(p, _writable(job, c))] == [], _writable(job, c)
+    # the dataset stays read-only for retrains
+    assert not _covered(cfg.ingest.data_dir, _writable(job, c))
+    # mount points under the image's TIDE_HOME exist in the image (its root is read-only)
+    made = set(re.findall(r"mkdir -p ([^\n\\]+)", (K8S / "Dockerfile").read_text())[0].split())
+    under_home = {w for w in _writable(job, c) if w.startswith(str(home) + "/")}
+    under_home |= {w for d, c2 in _containers() for w in _writable(d["spec"]["template"]["spec"], c2)
+                   if w.startswith(str(home) + "/")}
+    assert under_home and under_home <= made, under_home - made
+
+
+def test_the_job_mounts_no_service_account_token_and_reads_secrets_by_reference(tmp_path):
+    from tide.redact import looks_secret
+
+    job = _job(tmp_path)["spec"]["template"]["spec"]
+    assert job["automountServiceAccountToken"] is False  # it never calls the Kubernetes API
+    for name in ("tide-engine", "tide-ingest"):  # nor do these
+        assert _named("Deployment")[name]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in job["containers"][0]["env"] if "valueFrom" in e}
+    assert refs, "the ConfigMap names no Secret for retrain Jobs"
+    for name, pod in _pods(tmp_path).items():
+        for c in pod["containers"]:
+            for e in c.get("env", []):
+                # a credential is never a plain value in a manifest or a Job
+                assert not (looks_secret(e["name"]) and "value" in e), (name, e["name"])
+    engine_refs = {e["valueFrom"]["secretKeyRef"]["name"] for _, c in _containers([_named("Deployment")["tide-engine"]])
+                   for e in c["env"] if "valueFrom" in e}
+    assert {r["name"] for r in refs.values()} <= engine_refs  # one Secret for MLflow, documented with tide-control
+
+
+def _policies_for(labels: dict[str, str]) -> list[dict]:
+    return [p for p in _named("NetworkPolicy").values()
+            if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items() and "Ingress" in p["spec"]["policyTypes"]]
+
+
+def _allowed_from(policy: dict, port: int) -> list[dict] | None:
+    """The peers one policy lets reach ``port`` (None: anyone)."""
+    peers: list[dict] = []
+    for rule in policy["spec"].get("ingress", []):
+        if any(p["port"] == port for p in rule.get("ports", [])) or not rule.get("ports"):
+            if not rule.get("from"):
+                return None
+            peers += rule["from"]
+    return peers
+
+
+def test_network_policies_open_control_and_registry_only_to_the_pods_that_need_them(tmp_path):
+    from urllib.parse import urlsplit
+
+    cfg = _config(tmp_path)
+    assert cfg.server.control_port and cfg.server.control_port != cfg.server.port  # a port a policy can limit
+    engine_labels = _named("Deployment")["tide-engine"]["spec"]["template"]["metadata"]["labels"]
+    (policy,) = _policies_for(engine_labels)
+    assert _allowed_from(policy, cfg.server.port) is None  # the OpenAI API, probes, Prometheus
+    control_peers = _allowed_from(policy, cfg.server.control_port)
+    assert control_peers and all(set(p) == {"podSelector"} for p in control_peers)  # this namespace only
+    control_labels = [p["podSelector"]["matchLabels"] for p in control_peers]
+    for name, dep in _named("Deployment").items():  # no service of the loop is a control client
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert not any(sel.items() <= labels.items() for sel in control_labels), name
+    # the registry: engines follow champion, retrain Jobs register; ingest and the scheduler never call it
+    url = urlsplit(cfg.registry.tracking_uri)
+    assert url.hostname.split(".")[:2] == ["mlflow", KUSTOMIZATION["namespace"]]
+    (registry,) = [p for p in _named("NetworkPolicy").values()
+                   if p["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "mlflow"}]
+    peers = [p["podSelector"]["matchLabels"] for p in _allowed_from(registry, url.port)]
+    job_labels = _job(tmp_path)["spec"]["template"]["metadata"]["labels"]
+    allowed = lambda labels: any(sel.items() <= labels.items() for sel in peers)  # noqa: E731
+    assert allowed(engine_labels) and allowed(job_labels)
+    for name in ("tide-ingest", "tide-scheduler"):
+        assert not allowed(_named("Deployment")[name]["spec"]["template"]["metadata"]["labels"]), name
+    # and no one else: every peer is an engine, a retrain Job or a control client
+    assert all(sel in control_labels or sel.items() <= engine_labels.items() or sel.items() <= job_labels.items()
+               for sel in peers)

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tide.config import RegistryConfig
-from tide.contracts import CHALLENGER, CHAMPION, PREVIOUS_CHAMPION, TAG_PARENT, TAG_PID, TAG_REGISTRATION
+from tide.contracts import (
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS_CHAMPION,
+    TAG_CHECKSUM,
+    TAG_PARENT,
+    TAG_PID,
+    TAG_REGISTRATION,
+)
 from tide.drafter.artifact import load_drafter, save_drafter
 from tide.registry import ChecksumError, Registry, RegistryError, folder_digest
 
@@ -182,3 +190,101 @@ def test_concurrent_bootstraps_leave_one_static_champion(registry, drafter_folde
     versions = registry.list_versions()
     assert len(versions) == 1 and versions[0].kind == "static"
     assert results == [versions[0].version] * 2 and registry.aliases() == {CHAMPION: versions[0].version}
+
+
+# --- trust: a version's record is checked before it is used -----------------------------------
+
+ROOT_URI = "file:///srv/tide/artifacts"
+
+
+@pytest.mark.parametrize("source,ok", [
+    (f"{ROOT_URI}/1/abc/artifacts/drafter", True),
+    ("/srv/tide/artifacts/1/abc/artifacts/drafter", True),  # a bare path is a file URI
+    (f"{ROOT_URI}/1/../../../../etc/drafter", False),
+    (f"{ROOT_URI}/1/%2e%2e/%2e%2e/x/drafter", False),  # encoded dots decode to '..'
+    ("file:///srv/tide/artifacts-evil/1/drafter", False),  # a prefix, not a parent
+    ("file:///srv/tide/artifacts", False),  # the root itself
+    ("file:///etc/drafter", False),
+    ("http://evil.example/srv/tide/artifacts/1/drafter", False),
+    ("s3://bucket/srv/tide/artifacts/1/drafter", False),
+    (f"{ROOT_URI}/1/drafter?x=1", False),
+    ("", False),
+])
+def test_source_must_lie_under_the_artifact_root(source, ok):
+    from tide.registry import source_problem
+
+    assert (source_problem(source, ROOT_URI) is None) == ok, source_problem(source, ROOT_URI)
+    served = "mlflow-artifacts:/tide-retrain"
+    assert source_problem(f"{served}/abc/artifacts/drafter", served) is None
+    assert source_problem("mlflow-artifacts://other-host/tide-retrain/abc/drafter", served) is not None
+
+
+def test_checksum_tags_must_be_64_hex():
+    from tide.registry import tag_problem
+
+    assert tag_problem("a" * 64, "b" * 64) is None and tag_problem("a" * 64, None) is None
+    for bad in ("", "A" * 64, "a" * 63, "../../../../../tmp/x" + "a" * 44, "a" * 64 + "/"):
+        assert tag_problem(bad, None) is not None, bad
+    assert "weights" in tag_problem("a" * 64, "zz")
+
+
+def _version_at(registry, folder, source, run_id=None, checksum=None):
+    registry._ensure_model()
+    mv = registry.client.create_model_version(
+        registry.model_name, source, run_id=run_id,
+        tags={TAG_CHECKSUM: checksum or folder_digest(folder), TAG_REGISTRATION: "complete"})
+    return int(mv.version)
+
+
+def test_untrusted_records_are_refused_before_any_download(registry, drafter_folders, tmp_path):
+    import shutil
+
+    from tide.registry import UntrustedVersion
+
+    elsewhere = Path(shutil.copytree(drafter_folders[1], tmp_path / "elsewhere" / "drafter"))
+    cases = {
+        "tag": _version_at(registry, elsewhere, _register(registry, drafter_folders[1]).source,
+                           checksum="/../../../../victim" + "0" * 45),
+        "outside": _version_at(registry, elsewhere, elsewhere.as_uri()),
+        "dotdot": _version_at(registry, elsewhere, f"{registry.artifact_root}/../../elsewhere/drafter"),
+        "scheme": _version_at(registry, elsewhere, "http://127.0.0.1:9/drafter"),
+    }
+    # a run of another experiment, whose artifacts live outside the root, downloaded through it
+    exp = registry.client.create_experiment(f"other-{uuid.uuid4().hex[:6]}",
+                                            artifact_location=(tmp_path / "other-root").as_uri())
+    run = registry.client.create_run(exp)
+    registry.client.log_artifacts(run.info.run_id, str(drafter_folders[1]), "drafter")
+    cases["other run"] = _version_at(registry, drafter_folders[1], f"{run.info.artifact_uri}/drafter",
+                                     run_id=run.info.run_id)
+    for what, version in cases.items():
+        with pytest.raises(UntrustedVersion) as info:
+            registry.download(version)
+        words = "not 64 hex" if what == "tag" else "not under the artifact root"
+        assert words in str(info.value), (what, info.value)
+    assert not registry.cache_dir.exists()  # nothing was fetched, no path was made from a tag
+
+
+def test_oversized_artifacts_are_refused_from_their_listing(store, drafter_folders, tmp_path):
+    from tide.registry import UntrustedVersion
+
+    root, uri = store
+    cfg = RegistryConfig(tracking_uri=uri, registered_model_name=f"drafter-{uuid.uuid4().hex[:8]}",
+                         artifact_location=(root / "artifacts").as_uri(), cache_dir=str(tmp_path / "cache"),
+                         max_artifact_bytes=4096)  # below the tiny drafter's weights
+    small = Registry(cfg, tmp_path / "home")
+    version = _register(small, drafter_folders[1]).version
+    with pytest.raises(UntrustedVersion, match="max_artifact_bytes"):
+        small.download(version)
+    assert not small.cache_dir.exists()  # refused before a byte was fetched
+
+
+def test_a_run_outside_the_artifact_root_is_refused_at_start(store, tmp_path):
+    root, uri = store
+    name = f"exp-{uuid.uuid4().hex[:6]}"
+    elsewhere = Registry(RegistryConfig(tracking_uri=uri, experiment_name=name,
+                                        artifact_location=(tmp_path / "theirs").as_uri()), tmp_path / "a")
+    elsewhere.start_run("theirs").finish()
+    ours = Registry(RegistryConfig(tracking_uri=uri, experiment_name=name,
+                                   artifact_location=(root / "artifacts").as_uri()), tmp_path / "b")
+    with pytest.raises(RegistryError, match="not under the artifact root"):
+        ours.start_run("retrain")

@@ -51,3 +51,47 @@ def test_a_taken_port_falls_back_to_a_free_one_and_a_free_one_is_kept(tmp_path):
 
 def test_default_ports_are_the_documented_ones():
     assert DEFAULT_PORTS == {"engine": 8000, "mlflow": 5000, "prometheus": 9090, "page": 8090}
+
+
+def _exposures(write, path) -> list[str]:
+    """Every moment ``write(path, text)`` lets a file holding the text be read by group or others,
+    seen from Python's audit events (open, chmod, rename) on any path in ``path``'s folder."""
+    import os
+    import stat
+    import sys
+
+    seen: list[str] = []
+    folder = str(path.parent)
+
+    def hook(event, args):
+        if not active or event not in ("open", "os.chmod", "os.rename"):
+            return
+        for arg in args:
+            if isinstance(arg, (str, os.PathLike)) and str(arg).startswith(folder) and os.path.isfile(arg):
+                st = os.stat(arg)
+                if st.st_size and st.st_mode & 0o077:
+                    seen.append(f"{event} {arg} {stat.filemode(st.st_mode)}")
+    active = True
+    sys.addaudithook(hook)  # hooks cannot be removed: ``active`` switches it off
+    old = os.umask(0)  # the worst umask: nothing masked
+    try:
+        write(path, "server:\n  control_token: s3cret\n")
+        write(path, "server:\n  control_token: rotated\n")  # over an existing file
+    finally:
+        os.umask(old)
+        active = False
+    return seen
+
+
+def test_tide_yaml_is_owner_only_from_its_first_byte(tmp_path):
+    from tide.stack import write_private
+
+    path = tmp_path / "run" / "tide.yaml"
+    assert _exposures(write_private, path) == []
+    assert path.stat().st_mode & 0o777 == 0o600 and "rotated" in path.read_text()
+    assert [p.name for p in path.parent.iterdir()] == ["tide.yaml"]  # no temporary left
+    # the check sees the window a plain write-then-chmod leaves (the previous code)
+    def naive(p, text):
+        p.write_text(text)
+        p.chmod(0o600)
+    assert _exposures(naive, tmp_path / "naive.yaml")

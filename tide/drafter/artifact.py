@@ -7,9 +7,11 @@ A drafter folder holds ``config.json`` (architecture ``LlamaForCausalLMEagle3``)
 Loading steps (anything wrong raises ``DrafterError`` and nothing is returned):
 1. refuse folders carrying pickle weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) or missing files;
 2. check the sha256 recorded in tide.json (if present, or if ``require_checksum``);
-3. read config.json, check architecture and shapes against the target (hidden size, vocab,
-   aux layer ids) and, if given, that the vocab mapping equals the serving one;
-4. load tensors with safetensors only, check names/shapes/finite values, build the module.
+3. read config.json and bound every size in it before anything is allocated, then check it
+   against the target (hidden size, vocab, aux layer ids, positions; tide/drafter/bounds.py);
+4. compare the safetensors header's names and shapes with the module's (no tensor read yet);
+5. load tensors with safetensors only, check finite values and the vocab mapping (and, if given,
+   that it equals the serving one), build the module.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from tide.drafter.bounds import LIMITS, config_problems, expected_state, fit_problems, header_problems
 from tide.drafter.model import DrafterShape, Eagle3Drafter
 from tide.drafter.vocab import mapping_digest
 
@@ -45,6 +48,7 @@ class TargetSpec:
     hidden_size: int
     vocab_size: int
     aux_layer_ids: tuple[int, ...]
+    max_positions: int = 0  # positions the engine feeds a drafter (its max_seq_len); 0 = unchecked
 
 
 def file_sha256(path: Path) -> str:
@@ -96,9 +100,51 @@ def save_drafter(drafter: Eagle3Drafter, folder: str | Path, metadata: dict | No
     return folder
 
 
+def _read_json(path: Path) -> object:
+    if path.stat().st_size > LIMITS.config_bytes:
+        raise DrafterError(f"{path}: larger than {LIMITS.config_bytes} bytes")
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise DrafterError(f"{path}: not JSON ({exc})") from exc
+
+
 def read_metadata(folder: str | Path) -> dict:
     path = Path(folder) / META
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    meta = _read_json(path)
+    if not isinstance(meta, dict):
+        raise DrafterError(f"{path}: must hold a JSON object")
+    return meta
+
+
+def read_shape(folder: str | Path) -> DrafterShape:
+    """config.json parsed and bounded (tide/drafter/bounds.py); nothing is allocated from it."""
+    path = Path(folder) / CONFIG
+    cfg = _read_json(path)
+    if not isinstance(cfg, dict):
+        raise DrafterError(f"{path}: must hold a JSON object")
+    try:
+        shape = DrafterShape.from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DrafterError(f"{path}: {type(exc).__name__}: {exc}") from exc
+    problems = config_problems(shape)
+    if problems:
+        raise DrafterError(f"{path}: " + "; ".join(problems))
+    return shape
+
+
+def _load_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The tensors, once the header shows exactly ``expected`` (names and shapes)."""
+    try:
+        problems = header_problems(folder / WEIGHTS, expected)
+        state = None if problems else load_file(str(folder / WEIGHTS))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DrafterError(f"{folder}/{WEIGHTS}: unreadable safetensors ({exc})") from exc
+    if problems:
+        raise DrafterError(f"{folder}: " + "; ".join(problems))
+    return state
 
 
 def load_drafter(folder: str | Path, target: TargetSpec | None = None,
@@ -117,37 +163,14 @@ def load_drafter(folder: str | Path, target: TargetSpec | None = None,
         actual = file_sha256(folder / WEIGHTS)
         if meta.get("sha256") != actual:
             raise DrafterError(f"{folder}: checksum mismatch (recorded {meta.get('sha256')}, actual {actual})")
-    try:
-        shape = DrafterShape.from_hf_config(json.loads((folder / CONFIG).read_text()))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DrafterError(f"{folder}/{CONFIG}: {exc}") from exc
+    shape = read_shape(folder)
     if target is not None:
-        problems = []
-        if shape.target_hidden_size != target.hidden_size:
-            problems.append(f"target_hidden_size {shape.target_hidden_size} != target's {target.hidden_size}")
-        if shape.hidden_size != target.hidden_size:
-            problems.append(f"hidden_size {shape.hidden_size} != target's {target.hidden_size} "
-                            "(embeddings are shared with the target)")
-        if shape.vocab_size != target.vocab_size:
-            problems.append(f"vocab_size {shape.vocab_size} != target's {target.vocab_size}")
-        if tuple(shape.aux_layer_ids) != tuple(target.aux_layer_ids):
-            problems.append(f"aux layers {shape.aux_layer_ids} != target capture layers {target.aux_layer_ids}")
+        problems = fit_problems(shape, target)
         if problems:
             raise DrafterError(f"{folder}: does not fit the target: " + "; ".join(problems))
-    try:
-        state = load_file(str(folder / WEIGHTS))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise DrafterError(f"{folder}/{WEIGHTS}: unreadable safetensors ({exc})") from exc
-    drafter = Eagle3Drafter(shape)
-    expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected) - {"embed_tokens.weight"})
-    if missing or unexpected:
-        raise DrafterError(f"{folder}: tensor names differ (missing {missing}, unexpected {unexpected})")
-    for name, ref in expected.items():
-        t = state[name]
-        if tuple(t.shape) != tuple(ref.shape):
-            raise DrafterError(f"{folder}: {name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+    expected = expected_state(shape)
+    state = _load_weights(folder, expected)
+    for name, t in state.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise DrafterError(f"{folder}: {name} has non-finite values")
     d2t = state["d2t"].to(torch.int64)
@@ -162,7 +185,9 @@ def load_drafter(folder: str | Path, target: TargetSpec | None = None,
     if expect_vocab_mapping is not None and mapping_digest(d2t) != expect_vocab_mapping:
         raise DrafterError(f"{folder}: vocab mapping {mapping_digest(d2t)} differs from the serving "
                            f"mapping {expect_vocab_mapping}; the draft vocab must stay fixed")
+    drafter = Eagle3Drafter(shape)
+    dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
     state = {k: v for k, v in state.items() if k in expected}
     state["t2d"] = state["t2d"].to(torch.bool)
-    drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+    drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
     return drafter.eval()

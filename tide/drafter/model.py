@@ -87,20 +87,22 @@ class DrafterShape:
             raise ValueError(f"drafter architectures must be [{ARCHITECTURE!r}], got {cfg.get('architectures')!r}")
         if cfg.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"drafter must have num_hidden_layers=1, got {cfg.get('num_hidden_layers')}")
-        heads = cfg["num_attention_heads"]
+        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+        # head_dim defaults to hidden / heads; a bad heads value is left for the bounds check
+        default_head_dim = hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 else 0
         if "tide_aux_layer_ids" in cfg:
             aux = tuple(cfg["tide_aux_layer_ids"])
         else:
             aux = tuple(i + 1 for i in cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", []))
         return cls(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=cfg.get("head_dim") or default_head_dim,
             vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size", cfg["vocab_size"]),
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(cfg.get("rope_theta", 10000.0)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048), aux_layer_ids=aux,
-            fc_norm=bool(cfg.get("fc_norm", False)),
+            fc_norm=cfg.get("fc_norm", False),
         )
 
     def as_dict(self) -> dict:

@@ -149,7 +149,7 @@ class ReferenceEngine(Engine):
     @property
     def target_spec(self) -> TargetSpec:
         shape = self.target.shape
-        return TargetSpec(shape.hidden_size, shape.vocab_size, self.target.aux_layer_ids)
+        return TargetSpec(shape.hidden_size, shape.vocab_size, self.target.aux_layer_ids, self.max_seq_len)
 
     def validate_drafter(self, folder: Path, smoke_prompt_ids: list[int]) -> Eagle3Drafter:
         drafter = load_drafter(folder, self.target_spec, self._vocab_mapping, require_checksum=True)

@@ -7,6 +7,10 @@ Routes (one small handler each, in ``_Routes``):
 - ``GET /health``: status and counters only, safe to expose; ``GET /control/health`` adds the
   engine's and the drafter follower's details (paths, registry state, last errors);
 - ``POST /control/ping`` and tide/ops/control_api.py under ``/control``: behind the bearer token.
+With ``server.control_port`` set, ``/control/*`` is served only on that port (``surface``
+"control", with /health and /metrics so that ``tide drafters --engine`` needs one URL) and the
+API port leaves it out ("api"): a NetworkPolicy can then limit who reaches the control routes,
+which a path on a shared port would not allow.
 tide/engine/http_guard.py checks the control token and the body cap before any route reads a byte.
 Errors are OpenAI-style bodies; a 500 never carries exception text (that goes to the log).
 """
@@ -177,13 +181,19 @@ def _install_error_handlers(app: FastAPI) -> None:
                                            "server_error"), status_code=500)
 
 
+SURFACES = ("all", "api", "control")
+
+
 def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig,
-              ops: ControlPlane | None = None) -> FastAPI:
+              ops: ControlPlane | None = None, surface: str = "all") -> FastAPI:
     """The FastAPI app over ``engine``; routes are listed in this module's docstring.
 
     ``ops`` (tide.ops.control_api.control_plane) adds the drafter control API under /control,
-    behind the control token, and its state to /control/health.
+    behind the control token, and its state to /control/health. ``surface``: "all" routes, the
+    "api" without /control, or only the "control" routes.
     """
+    if surface not in SURFACES:
+        raise ValueError(f"surface must be one of {SURFACES}, got {surface!r}")
     app = FastAPI(title="TIDE engine", version="0.1.0")
     routes = _Routes(engine, cfg, engine_cfg, ops)
     app.state.control_token = cfg.control_token
@@ -195,16 +205,18 @@ def build_app(engine: Engine, cfg: ServerConfig, engine_cfg: EngineConfig,
                        body_timeout_s=cfg.body_timeout_s)
     app.add_middleware(HttpMetrics)  # outermost: counts the guard's refusals too
     _install_error_handlers(app)
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    if surface != "control":
+        app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
-    auth = [Depends(require_control_token)]
-    app.add_api_route("/control/ping", routes.control_ping, methods=["POST"], dependencies=auth)
-    app.add_api_route("/control/health", routes.control_health, methods=["GET"], dependencies=auth)
-    if ops is not None:
-        app.include_router(ops.router, dependencies=auth)
+    if surface != "api":
+        auth = [Depends(require_control_token)]
+        app.add_api_route("/control/ping", routes.control_ping, methods=["POST"], dependencies=auth)
+        app.add_api_route("/control/health", routes.control_health, methods=["GET"], dependencies=auth)
+        if ops is not None:
+            app.include_router(ops.router, dependencies=auth)
     return app
 
 
@@ -248,14 +260,19 @@ class HttpServer:
             generations.close()
 
 
-def serve(app: FastAPI, host: str, port: int, stop_event: threading.Event, grace_s: float = 10.0) -> None:
-    """Serve until ``stop_event`` is set (e.g. by a SIGTERM handler), then drain and return."""
-    server = HttpServer(app, host, port, grace_s)
-    bound = server.start()
-    log.info("serving on http://%s:%d", host, bound)
+def serve(app: FastAPI, host: str, port: int, stop_event: threading.Event, grace_s: float = 10.0,
+          also: tuple[tuple[FastAPI, int], ...] = ()) -> None:
+    """Serve until ``stop_event`` is set (e.g. by a SIGTERM handler), then drain and return.
+    ``also``: more (app, port) pairs on the same host (the control surface's own port)."""
+    servers = []
     try:
+        for one, one_port in ((app, port), *also):
+            server = HttpServer(one, host, one_port, grace_s)
+            servers.append(server)
+            log.info("serving on http://%s:%d", host, server.start())
         while not stop_event.wait(0.5):
-            if not server.alive:
+            if not all(s.alive for s in servers):
                 raise RuntimeError("HTTP server stopped unexpectedly")
     finally:
-        server.stop(timeout_s=grace_s + 5)
+        for server in servers:
+            server.stop(timeout_s=grace_s + 5)

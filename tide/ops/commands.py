@@ -94,7 +94,7 @@ def _list(args, registry, engine) -> int:
     if args.json:
         print(json.dumps(records, indent=1))
     elif not records:
-        print(f"{registry.model_name}: no versions registered at {registry.tracking_uri}")
+        print(f"{registry.model_name}: no versions registered at {registry.shown_uri}")
     else:
         print(inventory.versions_table(records))
     return 0

@@ -1,22 +1,30 @@
 """Drafter follower: the engine-side owner of the swap watcher, the collapse guard and the registry.
 
-One background thread ("tide-ops") repeats until stopped:
-1. while no registry is connected: try to connect every ``registry_retry_s`` (the engine keeps
-   serving the drafter it has; inference never waits on the registry); on first contact,
-   register the configured drafter as champion if the registry has no version yet;
-2. every ``poll_interval_s``: ``check_now``: resolve the followed alias, download the version
-   (checksum verified; a mismatch refuses it) and let the SwapWatcher validate, smoke-decode
-   and swap it in between decode steps;
-3. every ``guard_interval_s``: the collapse guard. Its rollback swaps the previous drafter back at
-   once, refuses the collapsed version locally (so polling never swaps it in again), then moves
-   the registry alias back (``registry.rollback``, actor ``collapse-guard``; retried each poll
-   while the registry is unreachable). With no previous champion anywhere (the drafter served
-   before the registry was first reached does not count) it only alerts: a weak drafter still
-   beats none.
-The control API (tide/ops/control_api.py) calls ``check_now``, ``promote`` and ``rollback`` from
-request threads; one lock serialises everything that can swap. ``promote`` validates the
-version on this engine before the alias moves, so an operator cannot point ``champion`` at a
-drafter this engine would refuse.
+Two background threads, so that the guard never waits behind a registry call:
+- "tide-ops-registry" repeats until stopped:
+  1. while no registry is connected: try to connect every ``registry_retry_s`` (the engine keeps
+     serving the drafter it has; inference never waits on the registry); on first contact,
+     register the configured drafter as champion if the registry has no version yet;
+  2. every ``poll_interval_s`` (at once when the guard asks): move the registry alias back for a
+     pending collapse rollback, then ``check_now``: read the aliases, download the followed
+     version (tide/registry/artifacts.py checks its record and files; a version that fails is
+     refused for good) and let the SwapWatcher validate, smoke-decode and swap it in.
+- "tide-ops-guard", every ``guard_interval_s``: the collapse guard, which touches only the engine
+  and the last aliases the registry thread read. Its rollback swaps the previous drafter back at
+  once, refuses the collapsed version locally (so polling never swaps it in again), and leaves
+  the registry alias to the registry thread (``registry.rollback``, actor ``collapse-guard``;
+  retried each poll while the registry is unreachable or hangs). With no previous champion
+  anywhere (the drafter served before the registry was first reached does not count) it only
+  alerts: a weak drafter still beats none.
+Locks: ``_op_lock`` serialises registry-side work (polls, and the control API's ``check_now``,
+``promote``, ``rollback`` from request threads; it may be held across a slow registry call);
+the watcher's ``swap_lock`` guards what serves and what is refused and is held only for a swap.
+The guard takes only the swap lock. ``promote`` validates the version on this engine before the
+alias moves, so an operator cannot point ``champion`` at a drafter this engine would refuse.
+State (``health``/``state``): ``connecting``, ``registry unreachable``, ``following`` (serving
+the followed version) or ``refused`` (the alias points at a version this engine refused; it
+serves the one it had, ``tide_ops_followed_version_refused`` is 1): a refused version is the
+registry's content, not an outage.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ from tide.engine.base import Engine
 from tide.ops.guard import CollapseGuard
 from tide.ops.inventory import live_acceptance_from_stats, version_record
 from tide.ops.swap import SwapOutcome, SwapWatcher
-from tide.registry import ChecksumError, Registry, RegistryError
+from tide.registry import Registry, RegistryError, UntrustedVersion
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +67,9 @@ class DrafterFollower:
         self.registry: Registry | None = None
         self._connect = connect
         self._bootstrap_path = bootstrap_path
+        self._swap_lock = threading.RLock()
         self.watcher = SwapWatcher(engine, self._resolve, smoke_prompt_ids or DEFAULT_SMOKE_IDS,
-                                   cfg.poll_interval_s)
+                                   cfg.poll_interval_s, swap_lock=self._swap_lock)
         self.guard = CollapseGuard(engine, self._guard_rollback, cfg.guard_floor, cfg.guard_min_ratio,
                                    cfg.guard_window_forwards) if cfg.guard_enabled else None
         self.last_check: SwapOutcome | None = None
@@ -68,9 +77,12 @@ class DrafterFollower:
         self.connected = False  # the last registry call of the follower succeeded
         self._synced = False  # the engine has served the followed alias at least once
         self._pending_rollback: tuple[str, str] | None = None  # (collapsed version, reason)
-        self._lock = threading.RLock()
+        self._aliases: dict[str, int] = {}  # as the registry thread last read them (the guard's view)
+        self._registry_call_since: float | None = None  # monotonic start of the registry work in flight
+        self._op_lock = threading.RLock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # the guard asks the registry thread to act now
+        self._threads: list[threading.Thread] = []
 
     @classmethod
     def from_config(cls, engine, cfg) -> "DrafterFollower":
@@ -87,45 +99,63 @@ class DrafterFollower:
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self, block: bool = True) -> None:
-        """Start the thread; with ``block`` the first connect + check happen before returning,
+        """Start the threads; with ``block`` the first connect + check happen before returning,
         so a healthy engine already serves the champion (failures are logged, never raised)."""
         if block:
             self._tick_registry()
-        self._thread = threading.Thread(target=self._run, name="tide-ops", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._registry_loop, name="tide-ops-registry", daemon=True)]
+        if self.guard is not None:
+            self._threads.append(threading.Thread(target=self._guard_loop, name="tide-ops-guard", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """A registry call that hangs is left to its daemon thread (bounded by MLflow's timeout)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _run(self) -> None:
+    def _registry_loop(self) -> None:
         cfg = self.cfg
-        tick_s = max(0.01, min(0.5, cfg.poll_interval_s / 2, cfg.guard_interval_s / 2))
+        tick_s = max(0.01, min(0.5, cfg.poll_interval_s / 2))
         next_poll = time.monotonic() + cfg.poll_interval_s
-        next_guard = time.monotonic() + cfg.guard_interval_s
         next_connect = time.monotonic() + cfg.registry_retry_s
-        while not self._stop.wait(tick_s):
-            now = time.monotonic()
+        while not self._stop.is_set():
+            self._wake.wait(tick_s)
+            now, woken = time.monotonic(), self._wake.is_set()
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:  # this thread must outlive any bug in one step
                 if self.registry is None and now >= next_connect:
                     next_connect = now + cfg.registry_retry_s
                     self._tick_registry()
-                elif self.registry is not None and now >= next_poll:
+                elif self.registry is not None and (now >= next_poll or woken):
                     next_poll = now + cfg.poll_interval_s
                     self._tick_registry()
-                if self.guard is not None and now >= next_guard:
-                    next_guard = now + cfg.guard_interval_s
-                    with self._lock:
-                        self.guard.check()
             except Exception:  # noqa: BLE001
-                log.exception("drafter follower step failed; continuing")
+                log.exception("drafter follower: registry step failed; continuing")
+
+    def _guard_loop(self) -> None:
+        while not self._stop.wait(self.cfg.guard_interval_s):
+            try:
+                with self._swap_lock:
+                    self.guard.check()
+            except Exception:  # noqa: BLE001
+                log.exception("collapse guard step failed; continuing")
 
     def _tick_registry(self) -> None:
-        if self.registry is None and not self._connect_once():
-            return
-        self._retry_registry_rollback()
-        self.check_now()
+        with self._op_lock:
+            self._registry_call_since = time.monotonic()
+            try:
+                if self.registry is None and not self._connect_once():
+                    return
+                self._retry_registry_rollback()
+                self.check_now()
+            finally:
+                self._registry_call_since = None
 
     def _connect_once(self) -> bool:
         try:
@@ -145,7 +175,7 @@ class DrafterFollower:
         self.registry, self.connected, self.last_error = registry, True, None
         metrics.OPS_REGISTRY_CONNECTED.set(1)
         log.info("drafter follower: following %s of %s at %s", self.cfg.follow_alias,
-                 registry.model_name, registry.tracking_uri)
+                 registry.model_name, registry.shown_uri)
         return True
 
     # --- following ----------------------------------------------------------------------------
@@ -153,31 +183,28 @@ class DrafterFollower:
         """The watcher's resolver: (version, verified local folder) of the followed alias.
 
         No download when the engine already serves that version or refused it (the watcher
-        answers from the version alone); a checksum mismatch refuses the version for good.
+        answers from the version alone); a version whose record or files cannot be trusted is
+        refused for good.
         """
         registry = self.registry
         if registry is None:
             raise RegistryError("registry not connected")
-        info = registry.get_alias(self.cfg.follow_alias)
-        if info is None:
+        self._aliases = registry.aliases()
+        number = self._aliases.get(self.cfg.follow_alias)
+        if number is None:
             return None
-        version = str(info.version)
+        version = str(number)
         if version == self.engine.drafter_version or version in self.watcher.refused:
             return version, Path()
         try:
-            return version, registry.download(info.version)
-        except ChecksumError as exc:
-            self._refuse(version, str(exc))
+            return version, registry.download(number)
+        except UntrustedVersion as exc:
+            self.watcher.refuse(version, str(exc))
             return version, Path()
-
-    def _refuse(self, version: str, reason: str) -> None:
-        self.watcher.refused[version] = reason
-        metrics.OPS_SWAPS.labels("refused").inc()
-        log.error("refusing drafter version %s: %s", version, reason)
 
     def check_now(self) -> SwapOutcome:
         """Follow the alias now (poll loop and POST /control/check)."""
-        with self._lock:
+        with self._op_lock:
             if self.registry is None:
                 outcome = SwapOutcome("error", None, self.last_error or "registry not connected")
             else:
@@ -190,6 +217,8 @@ class DrafterFollower:
             self.connected = outcome.status != "error"
             self.last_error = None if self.connected else outcome.detail
             metrics.OPS_REGISTRY_CONNECTED.set(1 if self.connected else 0)
+            if outcome.status != "error":
+                metrics.OPS_FOLLOWED_REFUSED.set(1 if outcome.status == "refused" else 0)
             self.last_check = outcome
             return outcome
 
@@ -213,32 +242,34 @@ class DrafterFollower:
     def promote(self, version: int, actor: str, reason: str = "") -> dict:
         """Validate ``version`` on this engine, move ``champion`` to it, and serve it."""
         registry = self._registry_or_raise()
-        with self._lock:
+        with self._op_lock:
             v, drafter = str(version), None
             try:
                 registry.get_version(version)
                 if v != self.engine.drafter_version:
                     drafter = self.watcher.validate(registry.download(version))
-            except ChecksumError as exc:
-                self._refuse(v, str(exc))
+            except UntrustedVersion as exc:
+                self.watcher.refuse(v, str(exc))
                 raise OpsError(409, f"version {v} refused: {exc}") from exc
             except RegistryError as exc:
                 raise OpsError(404 if "has no version" in str(exc) else 503, str(exc)) from exc
-            except (DrafterError, ValueError, RuntimeError) as exc:  # validation, smoke decode
-                self._refuse(v, str(exc))
-                raise OpsError(409, f"version {v} refused: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - validation, smoke decode: the version's fault
+                detail = str(exc) if isinstance(exc, DrafterError) else f"{type(exc).__name__}: {exc}"
+                self.watcher.refuse(v, detail)
+                raise OpsError(409, f"version {v} refused: {detail}") from exc
             try:
                 old, new = registry.promote(version, actor=actor, reason=reason)
             except RegistryError as exc:
                 raise OpsError(409 if "not completely registered" in str(exc) else 503, str(exc)) from exc
-            self.watcher.refused.pop(v, None)  # an operator's explicit choice of a validated version
+            with self._swap_lock:
+                self.watcher.refused.pop(v, None)  # an operator's explicit choice of a validated version
             outcome = self.watcher.swap_to(v, drafter) if drafter is not None else SwapOutcome("unchanged", v)
             return self._result("promote", actor, old, new, outcome)
 
     def rollback(self, actor: str, reason: str = "") -> dict:
         """``champion`` back to ``previous-champion`` in the registry, and serve it."""
         registry = self._registry_or_raise()
-        with self._lock:
+        with self._op_lock:
             try:
                 old, new = registry.rollback(actor=actor, reason=reason)
             except RegistryError as exc:
@@ -253,10 +284,11 @@ class DrafterFollower:
                 "engine_swap_pause_s": self.engine.last_swap_pause_s}
 
     def _guard_rollback(self, reason: str) -> None:
-        """The collapse guard's rollback (steps in the module docstring, step 3)."""
+        """The collapse guard's rollback, in the guard thread: no registry call here."""
         bad = self.engine.drafter_version
         previous = self.watcher.previous
-        if previous is None and not self._registry_has_previous():
+        registry_previous = self.cfg.follow_alias == CHAMPION and PREVIOUS_CHAMPION in self._aliases
+        if previous is None and not registry_previous:
             # e.g. the first champion on traffic it does poorly on: nothing better to serve
             log.error("collapse guard: %s; no previous champion to roll back to, %s keeps serving",
                       reason, bad)
@@ -265,15 +297,7 @@ class DrafterFollower:
         if previous is not None and previous[0] != bad:
             self.watcher.swap_to(*previous)
         self._pending_rollback = (bad, reason)
-        self._retry_registry_rollback()
-
-    def _registry_has_previous(self) -> bool:
-        if self.registry is None or self.cfg.follow_alias != CHAMPION:
-            return False
-        try:
-            return PREVIOUS_CHAMPION in self.registry.aliases()
-        except RegistryError:
-            return False
+        self._wake.set()  # the registry thread moves the alias (or keeps trying while it hangs)
 
     def _retry_registry_rollback(self) -> None:
         pending, registry = self._pending_rollback, self.registry
@@ -281,7 +305,7 @@ class DrafterFollower:
             return
         bad, reason = pending
         if self.cfg.follow_alias != CHAMPION:  # only champion has a previous to go back to
-            self._pending_rollback = None
+            self._clear_pending(pending)
             return
         try:
             aliases = registry.aliases()
@@ -291,11 +315,16 @@ class DrafterFollower:
                               "there but this engine refuses it", bad)
                 else:
                     registry.rollback(actor=GUARD_ACTOR, reason=reason)
-            self._pending_rollback = None
+            self._clear_pending(pending)
         except RegistryError as exc:
             log.warning("collapse guard: registry rollback of %s pending: %s", bad, exc)
             return
         self.check_now()  # converge on whatever the registry now says
+
+    def _clear_pending(self, done: tuple[str, str]) -> None:
+        with self._swap_lock:  # the guard may have queued a newer rollback meanwhile
+            if self._pending_rollback == done:
+                self._pending_rollback = None
 
     # --- reading --------------------------------------------------------------------------------
     def drafters(self) -> dict:
@@ -315,12 +344,21 @@ class DrafterFollower:
         except RegistryError as exc:
             raise OpsError(503, str(exc)) from exc
 
+    @property
+    def state(self) -> str:
+        if self.registry is None:
+            return "registry unreachable" if self.last_error else "connecting"
+        if not self.connected:
+            return "registry unreachable"
+        return "refused" if self.last_check is not None and self.last_check.status == "refused" else "following"
+
     def health(self) -> dict:
-        previous = self.watcher.previous
-        return {"registry_connected": self.connected,
+        previous, since = self.watcher.previous, self._registry_call_since
+        return {"state": self.state, "registry_connected": self.connected,
                 "follow_alias": self.cfg.follow_alias, "serving": self.engine.drafter_version,
                 "previous": previous[0] if previous else None, "refused": dict(self.watcher.refused),
                 "last_check": dataclasses.asdict(self.last_check) if self.last_check else None,
                 "last_error": self.last_error,
+                "registry_call_s": None if since is None else round(time.monotonic() - since, 3),
                 "pending_registry_rollback": self._pending_rollback[0] if self._pending_rollback else None,
                 "guard": None if self.guard is None else {"baselines": dict(self.guard.baselines)}}

@@ -7,9 +7,13 @@
    vocab mapping against the serving one, and a smoke decode of a short prompt whose greedy
    output must equal target-only output (a drafter that raises, or breaks losslessness, never
    reaches traffic);
-4. ``engine.swap_drafter``: applied atomically between decode steps; the previous drafter object
-   is kept so a rollback is immediate.
-Any failure refuses the version, leaves the old drafter serving, and is logged and counted.
+3. ``engine.swap_drafter`` under ``swap_lock``: applied atomically between decode steps; the
+   previous drafter object is kept so a rollback is immediate. Resolving and validating happen
+   outside that lock, so the collapse guard (which swaps under the same lock) never waits on the
+   registry or on a smoke decode; a version the guard refused meanwhile is not swapped in.
+Anything a candidate raises while validated refuses that version (it is never retried, and the
+registry is not blamed): the old drafter keeps serving, and the refusal is logged once and counted
+(``tide_ops_swap_checks_total{outcome="refused"}``).
 The registry is reached only through the ``resolve`` callable, so this module has no MLflow code,
 and the engine only through its contract (tide/engine/base.py), so it works for any engine.
 """
@@ -41,7 +45,7 @@ class SwapOutcome:
 
 class SwapWatcher:
     def __init__(self, engine: Engine, resolve: Resolver, smoke_prompt_ids: list[int],
-                 poll_interval_s: float = 10.0):
+                 poll_interval_s: float = 10.0, swap_lock: threading.RLock | None = None):
         self.engine = engine
         self.resolve = resolve
         self.smoke_prompt_ids = list(smoke_prompt_ids)
@@ -49,6 +53,8 @@ class SwapWatcher:
         self.refused: dict[str, str] = {}  # version -> reason (not retried)
         self.previous: tuple[str, Any] | None = None  # (version, drafter handle) served before the last swap
         self._lock = threading.Lock()  # one check at a time (poll loop vs control endpoint)
+        # what serves and what is refused changes only under this lock, held for a swap at most
+        self.swap_lock = swap_lock or threading.RLock()
 
     def check_now(self) -> SwapOutcome:
         with self._lock:
@@ -70,22 +76,34 @@ class SwapWatcher:
             return SwapOutcome("refused", version, self.refused[version])
         try:
             drafter = self.validate(folder)
-        except (DrafterError, RuntimeError, ValueError) as exc:
-            self.refused[version] = str(exc)
-            log.error("refusing drafter version %s: %s", version, exc)
-            metrics.OPS_SWAPS.labels("refused").inc()
-            return SwapOutcome("refused", version, str(exc))
-        return self.swap_to(version, drafter)
+        except Exception as exc:  # noqa: BLE001 - a bad artifact is the version's fault, whatever it raises
+            reason = str(exc) if isinstance(exc, DrafterError) else f"{type(exc).__name__}: {exc}"
+            self.refuse(version, reason)
+            return SwapOutcome("refused", version, reason)
+        with self.swap_lock:
+            if version in self.refused:  # the collapse guard refused it while it was validated
+                return SwapOutcome("refused", version, self.refused[version])
+            return self.swap_to(version, drafter)
+
+    def refuse(self, version: str, reason: str) -> None:
+        """Never serve ``version`` again in this process; logged and counted once."""
+        with self.swap_lock:
+            if version in self.refused:
+                return
+            self.refused[version] = reason
+        metrics.OPS_SWAPS.labels("refused").inc()
+        log.error("refusing drafter version %s: %s", version, reason)
 
     def validate(self, folder: Path) -> Any:
         return self.engine.validate_drafter(folder, self.smoke_prompt_ids)
 
     def swap_to(self, version: str, drafter: Any) -> SwapOutcome:
-        old_version, old = self.engine.drafter_version, self.engine.drafter
-        t0 = time.perf_counter()
-        self.engine.swap_drafter(drafter, version)
-        self._wait_applied(version)
-        self.previous = (old_version, old)
+        with self.swap_lock:
+            old_version, old = self.engine.drafter_version, self.engine.drafter
+            t0 = time.perf_counter()
+            self.engine.swap_drafter(drafter, version)
+            self._wait_applied(version)
+            self.previous = (old_version, old)
         metrics.OPS_SWAPS.labels("swapped").inc()
         log.info("serving drafter %s (was %s)", version, old_version)
         return SwapOutcome("swapped", version, f"from {old_version}", time.perf_counter() - t0)

@@ -10,7 +10,14 @@ the manifest and the status rules are tested without a cluster. The Job:
   ``k8s_gpu_count`` of ``k8s_gpu_resource`` (``nvidia.com/gpu``, ``amd.com/gpu``, ...);
 - carries labels that let a restarted scheduler (or one whose state file was lost) find it;
 - writes its summary (status, version, run id, reason) to its termination message, which the
-  scheduler reads from the pod's status once the Job has finished (``summary_from_pods``).
+  scheduler reads from the pod's status once the Job has finished (``summary_from_pods``);
+- meets the Pod Security Standard "restricted": non-root (the image's uid 10001), no privilege
+  escalation, every capability dropped, seccomp RuntimeDefault, a read-only root filesystem with
+  an emptyDir for each folder the retrain writes (``WRITABLE``: /tmp, the work and registry-cache
+  folders under TIDE_HOME), and no service-account token (it never calls the Kubernetes API);
+- gets credentials only as ``secretKeyRef`` (``schedule.k8s_secret_env``: NAME -> secret/key), so
+  no secret value is in the Job spec, the scheduler's memory or its logs; a plain variable whose
+  name looks like a credential, or a URL with a password, is refused when the launcher starts.
 The Job's name derives from the job id alone, so a launch interrupted before the scheduler saved
 its handle is found again by name.
 """
@@ -19,9 +26,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from typing import Any, Mapping
 
 from tide.contracts import JOB_FAILED, JOB_SUCCEEDED, JOB_TIMED_OUT
+from tide.redact import has_url_password, looks_secret
 from tide.schedule.launcher import ENV_JOB_ID, JobSpec, Outcome
 
 log = logging.getLogger(__name__)
@@ -33,6 +42,11 @@ RESULT_PATH_IN_POD = "/tmp/tide-retrain-result.json"
 # the container's default terminationMessagePath: Kubernetes copies it into the pod's status
 TERMINATION_LOG = "/dev/termination-log"
 _API_TIMEOUT_S = 30
+RUN_AS = 10001  # the image's user (k8s/Dockerfile)
+# what a retrain writes, each an emptyDir: name -> path ("{home}" = the Job's TIDE_HOME)
+WRITABLE = {"tmp": "/tmp", "work": "{home}/retrain", "registry-cache": "{home}/registry-cache"}
+# a Secret's name (DNS subdomain) / a key in it
+_SECRET_REF = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?)/([-._a-zA-Z0-9]+)")
 
 
 def job_name(prefix: str, job_id: str) -> str:
@@ -65,8 +79,53 @@ def job_env(cfg: Any) -> dict[str, str]:
             env[f"TIDE_{f.name.upper()}__TRACKING_URI"] = str(section.tracking_uri)
     if sc.k8s_data_pvc:
         env["TIDE_INGEST__DATA_DIR"] = sc.k8s_data_mount_path
+    # where the Job writes, so that its emptyDirs (WRITABLE) are exactly there
+    env["TIDE_HOME"] = sc.k8s_tide_home
+    env["TIDE_REGISTRY__CACHE_DIR"] = WRITABLE["registry-cache"].format(home=sc.k8s_tide_home)
     env.update(sc.k8s_env)
     return env
+
+
+def plain_env_problems(env: Mapping[str, str]) -> list[str]:
+    """Plain variables that would put a credential in the Job spec (names only, never values)."""
+    return [f"{name} looks like a credential" if looks_secret(name) else f"{name} holds a URL with a password"
+            for name, value in sorted(env.items()) if looks_secret(name) or has_url_password(str(value))]
+
+
+def secret_env(sc: Any) -> list:
+    """``schedule.k8s_secret_env`` as env vars read from Secrets (``NAME: secret-name/key``)."""
+    from kubernetes import client
+
+    out = []
+    for name, ref in sorted(sc.k8s_secret_env.items()):
+        m = _SECRET_REF.fullmatch(ref)
+        if not m or len(m.group(1)) > 253:
+            raise ValueError(f"schedule.k8s_secret_env.{name}: {ref!r} is not 'secret-name/key'")
+        # optional: a missing Secret fails the retrain on what needed it (recorded by the
+        # scheduler) instead of leaving the pod unstartable until activeDeadlineSeconds
+        out.append(client.V1EnvVar(name=name, value_from=client.V1EnvVarSource(
+            secret_key_ref=client.V1SecretKeySelector(name=m.group(1), key=m.group(3), optional=True))))
+    return out
+
+
+def _restricted():
+    """Container security context of the Pod Security Standard "restricted"."""
+    from kubernetes import client
+
+    return client.V1SecurityContext(
+        allow_privilege_escalation=False, run_as_non_root=True, read_only_root_filesystem=True,
+        capabilities=client.V1Capabilities(drop=["ALL"]),
+        seccomp_profile=client.V1SeccompProfile(type="RuntimeDefault"))
+
+
+def _writable_volumes(env: Mapping[str, str], home: str) -> tuple[list, list]:
+    from kubernetes import client
+
+    paths = {name: path.format(home=env.get("TIDE_HOME") or home) for name, path in WRITABLE.items()}
+    paths["registry-cache"] = env.get("TIDE_REGISTRY__CACHE_DIR") or paths["registry-cache"]
+    volumes = [client.V1Volume(name=name, empty_dir=client.V1EmptyDirVolumeSource()) for name in paths]
+    mounts = [client.V1VolumeMount(name=name, mount_path=path) for name, path in paths.items()]
+    return volumes, mounts
 
 
 def build_job(sc: Any, job_id: str, env: Mapping[str, str]):
@@ -76,7 +135,11 @@ def build_job(sc: Any, job_id: str, env: Mapping[str, str]):
     labels = {"app.kubernetes.io/name": "tide-retrain", "app.kubernetes.io/managed-by": MANAGED_BY,
               LABEL_JOB_ID: job_id}
     argv = ["python" if arg == "{python}" else arg for arg in sc.command]
-    volumes, mounts = [], []
+    problems = plain_env_problems(env)
+    if problems:
+        raise ValueError("retrain Job env: " + "; ".join(problems) + ": put it in a Kubernetes Secret and "
+                         "name it in schedule.k8s_secret_env (NAME: secret-name/key)")
+    volumes, mounts = _writable_volumes(env, sc.k8s_tide_home)
     if sc.k8s_config_map:
         argv += ["--config", f"{CONFIG_MOUNT}/config.yaml"]
         volumes.append(client.V1Volume(name="config", config_map=client.V1ConfigMapVolumeSource(
@@ -98,15 +161,20 @@ def build_job(sc: Any, job_id: str, env: Mapping[str, str]):
         # a crash before the summary is written leaves the log's tail as the message instead
         termination_message_policy="FallbackToLogsOnError",
         env=[client.V1EnvVar(name=k, value=str(v))
-             for k, v in sorted({**env, ENV_JOB_ID: job_id}.items())],
+             for k, v in sorted({**env, ENV_JOB_ID: job_id}.items()) if k not in sc.k8s_secret_env]
+        + secret_env(sc),
         resources=client.V1ResourceRequirements(
             limits=limits, requests={"cpu": sc.k8s_cpu, "memory": sc.k8s_memory}),
-        volume_mounts=mounts or None)
+        security_context=_restricted(), volume_mounts=mounts)
     pod = client.V1PodSpec(
         restart_policy="Never", containers=[container],
         node_selector=dict(sc.k8s_node_selector) or None,
         tolerations=[parse_toleration(t) for t in sc.k8s_tolerations] or None,
-        service_account_name=sc.k8s_service_account or None, volumes=volumes or None)
+        service_account_name=sc.k8s_service_account or None, automount_service_account_token=False,
+        security_context=client.V1PodSecurityContext(
+            run_as_non_root=True, run_as_user=RUN_AS, run_as_group=RUN_AS, fs_group=RUN_AS,
+            seccomp_profile=client.V1SeccompProfile(type="RuntimeDefault")),
+        volumes=volumes)
     return client.V1Job(
         api_version="batch/v1", kind="Job",
         metadata=client.V1ObjectMeta(name=job_name(sc.k8s_job_name_prefix, job_id),

@@ -57,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
             follower.start()  # never raises for registry trouble: the engine serves what it has
         log.info("engine ready: target=%s drafter=%s max_seq_len=%d",
                  engine.target_model_id, engine.drafter_version, engine.max_seq_len)
-        app = build_app(engine, cfg.server, cfg.engine, ops=control_plane(follower) if follower else None)
-        serve(app, cfg.server.host, cfg.server.port, stop, grace_s=cfg.server.shutdown_grace_s)
+        ops = control_plane(follower) if follower else None
+        split = bool(cfg.server.control_port)  # /control on a port of its own
+        app = build_app(engine, cfg.server, cfg.engine, ops=ops, surface="api" if split else "all")
+        also = ((build_app(engine, cfg.server, cfg.engine, ops=ops, surface="control"), cfg.server.control_port),) \
+            if split else ()
+        serve(app, cfg.server.host, cfg.server.port, stop, grace_s=cfg.server.shutdown_grace_s, also=also)
     finally:
         if follower is not None:
             follower.stop()

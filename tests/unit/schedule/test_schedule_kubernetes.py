@@ -83,8 +83,9 @@ def test_cpu_only_job_has_no_gpu_and_no_optional_fields():
                       k8s_service_account=""))
     pod = m["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"cpu": "8", "memory": "64Gi"}
-    for absent in ("nodeSelector", "tolerations", "volumes", "serviceAccountName"):
+    for absent in ("nodeSelector", "tolerations", "serviceAccountName"):
         assert absent not in pod
+    assert {v["name"] for v in pod["volumes"]} == {"tmp", "work", "registry-cache"}  # emptyDirs only
     assert "--config" not in pod["containers"][0]["command"]
 
 
@@ -97,6 +98,61 @@ def test_job_env_carries_bootstrap_servers_dataset_and_overrides():
     assert load_config(env=env).kafka.bootstrap_servers == "kafka:9092"  # a name config reads
     assert env["TIDE_INGEST__DATA_DIR"] == "/data/dataset"
     assert env["TIDE_HOME"] == "/cache" and env["A"] == "1"
+
+
+def test_secrets_reach_the_job_only_as_secret_key_refs():
+    sc = _sc(k8s_secret_env={"MLFLOW_TRACKING_TOKEN": "tide-mlflow/token",
+                             "AWS_SECRET_ACCESS_KEY": "s3.creds/secret-key"})
+    m = _manifest(sc, {"MLFLOW": "x"})
+    env = {e["name"]: e for e in m["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_TRACKING_TOKEN"] == {"name": "MLFLOW_TRACKING_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "tide-mlflow", "key": "token", "optional": True}}}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "s3.creds", "key": "secret-key", "optional": True}
+    assert "value" not in env["MLFLOW_TRACKING_TOKEN"] and env["MLFLOW"]["value"] == "x"
+    for bad in ("no-key", "/token", "Upper/key", "a/b/c", "name/"):
+        with pytest.raises(ValueError, match="k8s_secret_env.X"):
+            build_job(_sc(k8s_secret_env={"X": bad}), "id", {})
+
+
+@pytest.mark.parametrize("name,value", [("MLFLOW_TRACKING_PASSWORD", "hunter2"), ("HF_TOKEN", "hunter2"),
+                                        ("AWS_SECRET_ACCESS_KEY", "hunter2"), ("TIDE_SERVER__CONTROL_TOKEN", "hunter2"),
+                                        ("TIDE_REGISTRY__TRACKING_URI", "https://bob:hunter2@mlflow:5000")])
+def test_a_plain_credential_is_refused_without_showing_it(name, value):
+    from tide.schedule.kubernetes_launcher import KubernetesLauncher
+
+    with pytest.raises(ValueError, match=name) as info:
+        KubernetesLauncher(_sc(), {name: value})  # at start, before any launch
+    assert "hunter2" not in str(info.value) and "k8s_secret_env" in str(info.value)
+
+
+def test_plain_settings_that_merely_mention_tokens_pass():
+    from tide.schedule.kubernetes_launcher import KubernetesLauncher
+
+    env = {"TIDE_TRAIN__MAX_TRAIN_TOKENS": "32000", "TIDE_ENGINE__MAX_PROMPT_TOKENS": "512",
+           "TIDE_REGISTRY__TRACKING_URI": "http://mlflow.tide.svc:5000", "KEYBOARD": "us"}
+    KubernetesLauncher(_sc(), env)
+
+
+def test_the_job_meets_the_restricted_pod_security_standard():
+    pod = _manifest(_sc())["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                    "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                                    "seccompProfile": {"type": "RuntimeDefault"}}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/tmp"] == "tmp" and mounts["/var/lib/tide/retrain"] == "work"
+    assert mounts["/var/lib/tide/registry-cache"] == "registry-cache"
+    # the Job's process writes where its emptyDirs are (its TIDE_HOME and registry cache)
+    cfg = load_config(env={}, overrides={"schedule": {"k8s_tide_home": "/home/x"}})
+    env = job_env(cfg)
+    cmounts = {m["mountPath"] for m in _manifest(cfg.schedule, env)["spec"]["template"]["spec"]["containers"][0]
+               ["volumeMounts"]}
+    assert {"/home/x/retrain", "/home/x/registry-cache", "/tmp"} <= cmounts
+    assert load_config(env=env).registry.cache_dir == "/home/x/registry-cache" and env["TIDE_HOME"] == "/home/x"
 
 
 def test_names_and_tolerations_are_validated():
