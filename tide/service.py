@@ -7,13 +7,53 @@ with ``None`` (the main exits 2), before anything heavy is imported.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import signal
 import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tide.config import ConfigError, TideConfig, load_config
 from tide.redact import config_as_dict
+
+CONFIG_HELP = "YAML config file (sections as in tide/config.py)"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line override of one config field (``--port`` sets ``server.port``)."""
+
+    name: str
+    field: str  # "section.key"
+    type: Callable[[str], object] = str
+    note: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: list[str] | None,
+               config_help: str = CONFIG_HELP) -> argparse.Namespace:
+    """The service's command line: ``--config``, one flag per overridable field, ``--log-level``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help=config_help)
+    for flag in flags:
+        parser.add_argument(flag.name, type=flag.type, help=f"override {flag.field}"
+                            + (f" ({flag.note})" if flag.note else ""))
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace, flags: Sequence[Flag]) -> dict:
+    """{section: {key: value}} from the flags given on the command line (unset ones are None)."""
+    out: dict = {}
+    for flag in flags:
+        section, key = flag.field.split(".", 1)
+        out.setdefault(section, {})[key] = getattr(args, flag.dest)
+    return out
 
 
 def start(name: str, config_path: str | None, overrides: dict | None, log_level: str = "INFO",

@@ -122,3 +122,27 @@ def test_the_service_start_log_and_registry_errors_hide_secrets(tmp_path, caplog
     with pytest.raises(RegistryError) as info:  # nothing listens on port 9
         Registry(RegistryConfig(tracking_uri=cfg.registry.tracking_uri, http_timeout_s=1), tmp_path)
     assert "hunter2" not in str(info.value) and "bob:***@" in str(info.value)
+
+
+def test_service_flags_override_only_what_the_command_line_sets(tmp_path):
+    import signal
+
+    from tide import service
+    from tide.services import engine, ingest, scheduler
+
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  host: 0.0.0.0\n  port: 7000\nkafka:\n  bootstrap_servers: file-broker:9092\n")
+    args = engine.parse_args(["--config", str(path), "--port", "9001"])
+    assert args.port == 9001 and args.host is None  # typed; unset flags stay None
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        cfg, _ = service.start("test", args.config, service.overrides(args, engine.FLAGS))
+    finally:  # start() installs the service's own handlers
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert (cfg.server.port, cfg.server.host, cfg.kafka.bootstrap_servers) == (9001, "0.0.0.0", "file-broker:9092")
+    got = service.overrides(ingest.parse_args(["--data-dir", "/d", "--bootstrap-servers", "b:1"]), ingest.FLAGS)
+    assert got == {"kafka": {"bootstrap_servers": "b:1"}, "ingest": {"data_dir": "/d"}}
+    assert service.overrides(scheduler.parse_args([]), scheduler.FLAGS) == {"ingest": {"data_dir": None}}
+    with pytest.raises(SystemExit):  # a typed flag refuses a bad value at the command line
+        engine.parse_args(["--port", "eighty"])

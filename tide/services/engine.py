@@ -16,22 +16,18 @@ from tide import service
 log = logging.getLogger("tide.services.engine")
 
 
+FLAGS = (service.Flag("--host", "server.host"), service.Flag("--port", "server.port", int),
+         service.Flag("--bootstrap-servers", "kafka.bootstrap_servers", note="capture's broker"))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tide.services.engine",
-                                     description="TIDE engine: speculative decoding over HTTP")
-    parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
-    parser.add_argument("--host", help="override server.host")
-    parser.add_argument("--port", type=int, help="override server.port")
-    parser.add_argument("--bootstrap-servers", help="override kafka.bootstrap_servers (capture's broker)")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    return service.parse_args("python -m tide.services.engine", "TIDE engine: speculative decoding over HTTP",
+                              FLAGS, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("engine", args.config, {"server": {"host": args.host, "port": args.port},
-                                                    "kafka": {"bootstrap_servers": args.bootstrap_servers}},
-                            args.log_level)
+    started = service.start("engine", args.config, service.overrides(args, FLAGS), args.log_level)
     if started is None:
         return 2
     cfg, stop = started

@@ -17,20 +17,17 @@ from tide import service
 log = logging.getLogger("tide.services.ingest")
 
 
+FLAGS = (service.Flag("--bootstrap-servers", "kafka.bootstrap_servers"),
+         service.Flag("--data-dir", "ingest.data_dir"))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tide.services.ingest",
-                                     description="TIDE ingest: Kafka → Parquet dataset")
-    parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
-    parser.add_argument("--bootstrap-servers", help="override kafka.bootstrap_servers")
-    parser.add_argument("--data-dir", help="override ingest.data_dir")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    return service.parse_args("python -m tide.services.ingest", "TIDE ingest: Kafka → Parquet dataset", FLAGS, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("ingest", args.config, {"kafka": {"bootstrap_servers": args.bootstrap_servers},
-                                                    "ingest": {"data_dir": args.data_dir}}, args.log_level)
+    started = service.start("ingest", args.config, service.overrides(args, FLAGS), args.log_level)
     if started is None:
         return 2
     cfg, stop = started

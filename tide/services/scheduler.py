@@ -23,19 +23,17 @@ from tide import service
 log = logging.getLogger("tide.services.scheduler")
 
 
+FLAGS = (service.Flag("--data-dir", "ingest.data_dir", note="the dataset to count"),)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tide.services.scheduler",
-                                     description="TIDE scheduler: launches online retrains")
-    parser.add_argument("--config", help="YAML config file (sections as in tide/config.py); "
-                                         "also passed on to the retrain command")
-    parser.add_argument("--data-dir", help="override ingest.data_dir (the dataset to count)")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    return service.parse_args("python -m tide.services.scheduler", "TIDE scheduler: launches online retrains",
+                              FLAGS, argv, config_help=service.CONFIG_HELP + "; also passed on to the retrain command")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("scheduler", args.config, {"ingest": {"data_dir": args.data_dir}}, args.log_level,
+    started = service.start("scheduler", args.config, service.overrides(args, FLAGS), args.log_level,
                             stop_note="stopping the scheduler")
     if started is None:
         return 2

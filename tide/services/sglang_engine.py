@@ -22,14 +22,13 @@ from tide import service
 log = logging.getLogger("tide.services.sglang_engine")
 
 
+FLAGS = (service.Flag("--target", "sglang.target", note="HF folder or hub id of the target"),
+         service.Flag("--port", "server.port", int, note="TIDE's API and control routes"))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tide.services.sglang_engine",
-                                     description="TIDE on SGLang: capture and draft-only swaps in an SGLang server")
-    parser.add_argument("--config", help="YAML config file (sections as in tide/config.py)")
-    parser.add_argument("--target", help="override sglang.target (HF folder or hub id of the target)")
-    parser.add_argument("--port", type=int, help="override server.port (TIDE's API and control routes)")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    return service.parse_args("python -m tide.services.sglang_engine",
+                              "TIDE on SGLang: capture and draft-only swaps in an SGLang server", FLAGS, argv)
 
 
 def starting_drafter(cfg) -> tuple[Path, str]:
@@ -53,8 +52,7 @@ def starting_drafter(cfg) -> tuple[Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("sglang_engine", args.config, {"server": {"port": args.port},
-                                                           "sglang": {"target": args.target}}, args.log_level)
+    started = service.start("sglang_engine", args.config, service.overrides(args, FLAGS), args.log_level)
     if started is None:
         return 2
     cfg, stop = started
