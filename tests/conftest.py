@@ -1,6 +1,8 @@
 """Suite-wide rule: under CI (CI=true) a test that would skip fails instead, so a missing
 dependency (the broker binary, SpecForge, the static drafter, a C compiler) is never a green run."""
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -108,3 +110,19 @@ def small_filesystem(tmp_path):
     yield make
     for fs in made:
         fs.close()
+
+
+@pytest.fixture
+def chromium_dom():
+    """``dom(url) -> str``: the page as headless Chromium (Debian package) renders it, scripts run."""
+    exe = shutil.which("chromium")
+    if exe is None:
+        pytest.fail("chromium not installed: scripts/install.sh installs the Debian package")
+
+    def dom(url: str, timeout_s: float = 180.0) -> str:
+        out = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                              "--virtual-time-budget=2000", url], capture_output=True, text=True, timeout=timeout_s)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    return dom

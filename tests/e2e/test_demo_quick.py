@@ -9,7 +9,6 @@ these runs are in docs/benchmarks.md.)"""
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -42,17 +41,8 @@ def _page_url(output: str) -> str:
     return urls[-1]
 
 
-def _page_dom(url: str) -> str:
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("chromium not installed: scripts/install.sh installs the Debian package")
-    out = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                          "--virtual-time-budget=2000", url], capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
-
-def test_quick_demo_closes_the_loop(tmp_path):
+def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
     shared = Path(os.environ.get("TIDE_HOME", Path.home() / ".cache" / "tide"))
@@ -69,7 +59,7 @@ def test_quick_demo_closes_the_loop(tmp_path):
     try:
         _wait_for_line(proc, out_path, KEPT_UP, timeout_s=1200)
         # the page a user watches, in a real browser, after the whole loop: every panel has data
-        dom = _page_dom(_page_url(out_path.read_text()))
+        dom = chromium_dom(_page_url(out_path.read_text()))
         for name in ("acceptance", "samples", "retrain", "registry", "capture", "ingest"):
             assert f'data-panel="{name}" data-has-data="true"' in dom, (name, dom[-6000:])
         assert 'data-mark="shift"' in dom and 'data-mark="swap"' in dom, dom[-6000:]  # the chart marks both

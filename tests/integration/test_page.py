@@ -2,8 +2,6 @@
 recording rules, scraping a real /metrics endpoint with TIDE's metric names, and a real
 scheduler-style /health server; loaded in headless Chromium (Debian package). Panels whose source
 is down or absent say why, with the page still a 200."""
-import shutil
-import subprocess
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -48,17 +46,8 @@ def _serve(sources: page_data.Sources) -> tuple[str, ThreadingHTTPServer]:
     return f"http://127.0.0.1:{server.server_address[1]}/", server
 
 
-def _dom(url: str) -> str:
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("chromium not installed: scripts/install.sh installs the Debian package")
-    out = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                          "--virtual-time-budget=2000", url], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
-
-def test_page_shows_every_prometheus_panel_and_the_marks_in_chromium(tmp_path):
+def test_page_shows_every_prometheus_panel_and_the_marks_in_chromium(tmp_path, chromium_dom):
     exe = prometheus.binary()
     if exe is None:
         pytest.fail("prometheus not installed: scripts/install.sh installs the Debian package")
@@ -85,7 +74,7 @@ def test_page_shows_every_prometheus_panel_and_the_marks_in_chromium(tmp_path):
             panel = page_data.acceptance(page_data.Sources(base, home=tmp_path), 60 * page.DEFAULT_WINDOW_MIN,
                                          time.time())  # the page's own window and steps
         assert {"1", "2"} <= set(panel.series) and {k for _, k, _ in panel.marks} == {"shift", "swap"}, panel
-        dom = _dom(url)
+        dom = chromium_dom(url)
         for name in ("acceptance", "samples", "retrain", "capture", "ingest"):
             assert f'data-panel="{name}" data-has-data="true"' in dom, (name, dom[:3000])
         # no MLflow in this test: the panel says so instead of failing the page
