@@ -38,8 +38,23 @@ class HealthServer:
         self._thread.join(timeout=5)
 
 
+class SmallHandler(BaseHTTPRequestHandler):
+    """Base of TIDE's stdlib handlers: a whole body with its length, requests logged at DEBUG only
+    (scrapes and page refreshes would flood the log)."""
+
+    def _send(self, code: int, content_type: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, fmt: str, *args: object) -> None:
+        log.debug("http: " + fmt, *args)
+
+
 def _handler_for(health: HealthFn) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(SmallHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -54,15 +69,5 @@ def _handler_for(health: HealthFn) -> type[BaseHTTPRequestHandler]:
                 self._send(200 if ok else 503, "application/json", body)
             else:
                 self._send(404, "text/plain", b"not found\n")
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, fmt: str, *args: object) -> None:  # scrapes would flood the log
-            log.debug("http: " + fmt, *args)
 
     return Handler

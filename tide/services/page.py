@@ -20,6 +20,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tide import service
+from tide.health_server import SmallHandler
 from tide.services import page_data, page_html
 
 log = logging.getLogger("tide.services.page")
@@ -60,7 +61,7 @@ def sources_from(cfg, prometheus_url: str, scheduler_url: str) -> page_data.Sour
 
 
 def handler_for(sources: page_data.Sources) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(SmallHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             url = urllib.parse.urlsplit(self.path)
             if url.path == "/health":
@@ -71,16 +72,6 @@ def handler_for(sources: page_data.Sources) -> type[BaseHTTPRequestHandler]:
                 self._send(200, "text/html; charset=utf-8", html.encode())
             else:
                 self._send(404, "text/plain", b"not found\n")
-
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, fmt: str, *args: object) -> None:  # a refresh every 10 s would flood it
-            log.debug("http: " + fmt, *args)
 
     return Handler
 
