@@ -47,7 +47,7 @@ def parse_args(prog: str, description: str, flags: Sequence[Flag], argv: list[st
     return parser.parse_args(argv)
 
 
-def overrides(args: argparse.Namespace, flags: Sequence[Flag]) -> dict:
+def flag_overrides(args: argparse.Namespace, flags: Sequence[Flag]) -> dict:
     """{section: {key: value}} from the flags given on the command line (unset ones are None)."""
     out: dict = {}
     for flag in flags:

@@ -136,13 +136,13 @@ def test_service_flags_override_only_what_the_command_line_sets(tmp_path):
     assert args.port == 9001 and args.host is None  # typed; unset flags stay None
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        cfg, _ = service.start("test", args.config, service.overrides(args, engine.FLAGS))
+        cfg, _ = service.start("test", args.config, service.flag_overrides(args, engine.FLAGS))
     finally:  # start() installs the service's own handlers
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert (cfg.server.port, cfg.server.host, cfg.kafka.bootstrap_servers) == (9001, "0.0.0.0", "file-broker:9092")
-    got = service.overrides(ingest.parse_args(["--data-dir", "/d", "--bootstrap-servers", "b:1"]), ingest.FLAGS)
+    got = service.flag_overrides(ingest.parse_args(["--data-dir", "/d", "--bootstrap-servers", "b:1"]), ingest.FLAGS)
     assert got == {"kafka": {"bootstrap_servers": "b:1"}, "ingest": {"data_dir": "/d"}}
-    assert service.overrides(scheduler.parse_args([]), scheduler.FLAGS) == {"ingest": {"data_dir": None}}
+    assert service.flag_overrides(scheduler.parse_args([]), scheduler.FLAGS) == {"ingest": {"data_dir": None}}
     with pytest.raises(SystemExit):  # a typed flag refuses a bad value at the command line
         engine.parse_args(["--port", "eighty"])

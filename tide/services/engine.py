@@ -27,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("engine", args.config, service.overrides(args, FLAGS), args.log_level)
+    started = service.start("engine", args.config, service.flag_overrides(args, FLAGS), args.log_level)
     if started is None:
         return 2
     cfg, stop = started

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("scheduler", args.config, service.overrides(args, FLAGS), args.log_level,
+    started = service.start("scheduler", args.config, service.flag_overrides(args, FLAGS), args.log_level,
                             stop_note="stopping the scheduler")
     if started is None:
         return 2

@@ -52,7 +52,7 @@ def starting_drafter(cfg) -> tuple[Path, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started = service.start("sglang_engine", args.config, service.overrides(args, FLAGS), args.log_level)
+    started = service.start("sglang_engine", args.config, service.flag_overrides(args, FLAGS), args.log_level)
     if started is None:
         return 2
     cfg, stop = started
