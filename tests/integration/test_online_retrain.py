@@ -121,6 +121,11 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
                 "champion_heldout_loss", "train_tokens_per_s"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     assert float(tags["tide.sim_accept_length"]) == pytest.approx(metrics["candidate_sim_accept_length"], abs=1e-4)
+    # memory per phase of the retrain (tide/train/memory.py), each within the process peak
+    phases = ("plan", "target", "window", "eval_parent", "teacher", "train", "eval_candidate", "register")
+    assert metrics["peak_rss_gib_exact"] == 1.0
+    for phase in phases:
+        assert 0 < metrics[f"peak_rss_gib.{phase}"] <= metrics["peak_rss_gib"], phase
     losses = registry.client.get_metric_history(version.run_id, "train_loss")
     assert len(losses) == metrics["train_steps"] > 0
     assert version.params["parent_version"] == "1" and version.params["window_start_s"] == str(T0 + 24)

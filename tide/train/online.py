@@ -7,9 +7,11 @@ Steps of ``run_retrain``:
 3. parent = the registry's ``champion``; on an empty registry the static drafter is registered
    first as version 1 / champion; with versions but no champion, the static drafter file is the
    parent (lineage "static");
-4. load the target (embeddings and lm_head are the drafter's frozen inputs), the parent drafter,
-   and a copy of it as the candidate: its vocab mapping (t2d/d2t) stays fixed;
-5. load the planned samples; open an MLflow run and log params (window, counts, hyperparameters,
+4. load the target's embeddings and lm_head (the drafter's frozen inputs; its layers are never
+   run here), the parent drafter, and a copy of it as the candidate: its vocab mapping (t2d/d2t)
+   stays fixed;
+5. load the planned samples, their hidden states into a local file read back per batch
+   (``tide/train/spill.py``: memory is set by ``train.batch_tokens``, not the window); open an MLflow run and log params (window, counts, hyperparameters,
    parent, code version);
 6. evaluate the parent on the held-out slice, train the candidate (warm start, time-capped),
    evaluate it on the same slice: simulated acceptance length at gamma = ``spec.draft_len`` and
@@ -136,7 +138,7 @@ class _Inputs:
     plan: WindowPlan
     parent: str  # lineage label of the warm start ("static" or a version)
     parent_recorded: float | None  # the parent's registered sim accept length
-    target: object  # LlamaTarget: embeddings and lm_head are the drafter's frozen inputs
+    target: object  # TargetHeads: embeddings and lm_head, the drafter's frozen inputs
     champion: object  # Eagle3Drafter, the parent
     candidate: object  # a copy of the parent, trained in place; its vocab mapping stays fixed
     vocab: str
@@ -189,6 +191,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        inputs.data.close()
     log.info("retrain: registered %s version %d as %s", registry.model_name, info.version, CHALLENGER)
     return RetrainResult(RETRAIN_REGISTERED, version=info.version, run_id=run.run_id,
                          metrics={**summary, **trained.metrics, "auto_promotion": _auto_promote(registry, cfg)})
@@ -204,15 +207,17 @@ def _too_few(tc, train: int, heldout: int, what: str) -> str:
 
 def _load_inputs(cfg, registry: Registry, plan: WindowPlan, memory: PhaseMemory) -> _Inputs:
     """Steps 3-5: the parent (warm start), the target, and the planned samples."""
-    from tide.models.target import load_target  # target loading only; no engine is built
+    from tide.models.target import load_target_heads  # embeddings + lm_head only; no engine is built
 
     with memory.phase("target"):
         parent, parent_folder, parent_recorded = _resolve_parent(cfg, registry)
-        target, _, _ = load_target(cfg)
+        target = load_target_heads(cfg)
         spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
         champion = load_drafter(parent_folder, spec)
     with memory.phase("window"):
-        data = load_window(data_dir_of(cfg), plan, cfg.train.train_on_prompt, cfg.train.max_seq_len)
+        # hidden states to a local file, read back per batch: memory does not grow with the window
+        data = load_window(data_dir_of(cfg), plan, cfg.train.train_on_prompt, cfg.train.max_seq_len,
+                           spill_dir=_work_root(cfg))
     log.info("retrain: parent %s, %d train samples (%d tokens), %d held-out (%d tokens)",
              parent, len(data.train), data.train_tokens, len(data.heldout), data.heldout_tokens)
     return _Inputs(plan, parent, parent_recorded, target, champion, copy.deepcopy(champion),
