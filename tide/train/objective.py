@@ -48,12 +48,21 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat((x[:, n:], pad), dim=1)
 
 
-def target_top_tokens(final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
-    """[T] int64: the target's argmax token at each position (one full-vocab projection, chunked)."""
+def target_top_tokens(final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_tokens: int = 1024,
+                      buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """[T] int64: the target's argmax token at each position (one full-vocab projection, chunked).
+
+    ``buffer`` (float32 [>= chunk_tokens, V]) receives each chunk's logits instead of a fresh
+    block: called once per sample over a window, differently sized [rows, V] blocks (tens of MB,
+    under glibc's mmap threshold once it has risen) interleaved with the small results fragment
+    the heap, which grew a retrain's peak by GiBs on a 200k-token window."""
     out = []
     with torch.no_grad():
+        weight = lm_head_weight.float()
         for start in range(0, final.shape[0], chunk_tokens):
-            out.append(F.linear(final[start:start + chunk_tokens].float(), lm_head_weight.float()).argmax(-1))
+            x = final[start:start + chunk_tokens].float()
+            logits = F.linear(x, weight) if buffer is None else torch.mm(x, weight.t(), out=buffer[:x.shape[0]])
+            out.append(logits.argmax(-1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 

@@ -30,6 +30,9 @@ from tide.train.spill import SpilledStates
 # steps include warm-up costs and few batch shapes), then again on a steadier average (a single
 # early estimate over-counts the warm-up and ends a retrain well before its cap)
 CAP_ESTIMATE_STEPS = (5, 20)
+# rows per full-vocab projection when precomputing the target's top tokens (a [rows, vocab]
+# float32 block: 96 MiB for SmolLM2's 49k vocab)
+PREPARE_CHUNK_TOKENS = 512
 
 
 @dataclass
@@ -114,11 +117,14 @@ def collate(samples: list[Sample], max_len: int) -> Batch:
 def prepare(samples: list[Sample], drafter: Eagle3Drafter, lm_head: torch.Tensor) -> None:
     """Fill ``target_top`` (the target's full-vocab argmax) where the loss mask is set, 0 elsewhere:
     the full-vocab projection is the cost, and prompt positions are never scored."""
+    weight, logits = lm_head.float(), None  # one logits block for every sample (target_top_tokens)
     for s in samples:
         if s.target_top is None:
+            if logits is None:
+                logits = torch.empty(PREPARE_CHUNK_TOKENS, weight.shape[0])
             where = s.loss_mask > 0
             s.target_top = torch.zeros(len(s), dtype=torch.long)
-            s.target_top[where] = target_top_tokens(s.states()[1][where], lm_head)
+            s.target_top[where] = target_top_tokens(s.states()[1][where], weight, PREPARE_CHUNK_TOKENS, logits)
         # recomputed every time: cheap, and the vocab mapping is the drafter's
         s.in_vocab = drafter.t2d[s.target_top]
 
