@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import math
 import re
 from pathlib import Path
 
@@ -413,3 +414,20 @@ def test_network_policies_open_control_and_registry_only_to_the_pods_that_need_t
     # and no one else: every peer is an engine, a retrain Job or a control client
     assert all(sel in control_labels or sel.items() <= engine_labels.items() or sel.items() <= job_labels.items()
                for sel in peers)
+
+
+def test_the_retrain_jobs_memory_follows_its_stated_rule(tmp_path):
+    """The ConfigMap sizes the Job's memory from a measured peak (bench/retrain.py): the figure it
+    quotes is the one docs/benchmarks.md records, the request follows the rule it states (twice
+    the peak, rounded up to a whole GiB), and the Job asks for exactly that."""
+    line = next(x for x in CONFIG_TEXT.splitlines() if x.strip().startswith("k8s_memory:"))
+    figure = re.search(r"peak ([0-9.]+) GiB", line)
+    assert figure, line
+    peak_gib = float(figure.group(1))
+    assert f"{figure.group(1)} GiB" in (ROOT / "docs" / "benchmarks.md").read_text()
+    cfg = _config(tmp_path)
+    assert cfg.schedule.k8s_memory == f"{math.ceil(2 * peak_gib)}Gi"
+    job = client.ApiClient().sanitize_for_serialization(
+        build_job(cfg.schedule, "20250101-000000-abc123", job_env(cfg)))
+    resources = job["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == cfg.schedule.k8s_memory
