@@ -307,7 +307,7 @@ class ScheduleConfig:
     k8s_gpu_resource: str = "nvidia.com/gpu"  # or amd.com/gpu
     k8s_gpu_count: int = 1  # 0 = CPU-only job
     k8s_cpu: str = "4"
-    k8s_memory: str = "32Gi"
+    k8s_memory: str = "4Gi"  # twice the retrain peak at 4x the bench window (the ConfigMap states the rule)
     # extra plain env for the job's container: no credentials (a name that looks like one, or a
     # URL with a password, is refused at start); those go in k8s_secret_env
     k8s_env: Mapping[str, str] = field(default_factory=dict)
