@@ -32,8 +32,8 @@ def test_two_gloo_ranks_match_one_process_accumulating_the_same_batches(tiny_tar
                 "samples": samples, "kwargs": KWARGS}, case)
     out = tmp_path / "rank0.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "0", str(REPO / "tests/unit/train/ddp_rank.py"), str(case), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           "2", str(REPO / "tests/unit/train/ddp_rank.py"), str(case), str(out)],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ddp = torch.load(out, weights_only=False)
