@@ -345,7 +345,7 @@ def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: 
         raise RetrainInterrupted(f"signal {signum}")
 
     if not current_ranks().is_main:  # torchrun's other ranks: train only; rank 0 reports
-        return run_rank(cfg)
+        return run_rank(cfg, data_dir_of(cfg))
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         start(cfg)  # the device first: a cuda retrain without a GPU fails before any work

@@ -43,13 +43,12 @@ def announce(plan, parent_folder) -> None:
     share(current_ranks(), None if plan is None else (plan, str(parent_folder)))
 
 
-def run_rank(cfg) -> int:
-    """A rank other than 0: train its share of rank 0's plan; exit code 0 unless it fails."""
+def run_rank(cfg, data_dir) -> int:
+    """A rank other than 0: train its share of rank 0's plan from ``data_dir``; exit code 0."""
     from pathlib import Path
 
     from tide.drafter.artifact import TargetSpec, load_drafter
     from tide.models.target import load_target
-    from tide.train.online import data_dir_of
     from tide.train.trainer import train
     from tide.train.window import load_window
 
@@ -62,7 +61,7 @@ def run_rank(cfg) -> int:
     drafter = load_drafter(Path(parent_folder), TargetSpec(target.shape.hidden_size, target.shape.vocab_size,
                                                            target.aux_layer_ids))
     tc = cfg.train
-    data = load_window(data_dir_of(cfg), plan, tc.train_on_prompt, tc.max_seq_len)
+    data = load_window(data_dir, plan, tc.train_on_prompt, tc.max_seq_len)
     if len(data.train) < tc.min_samples or len(data.heldout) < tc.min_heldout_samples:
         return 0  # rank 0 reads the same requests and finds the same: nothing to do
     result = train(drafter, target.embed_weight, target.lm_head_weight, data.train, device=device,
