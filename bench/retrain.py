@@ -19,7 +19,7 @@ Steps:
 Floors: wall <= 10 min, peak RSS <= 4 GiB; ``--scale 4`` (4x the tokens) checks that the peak
 does not grow with the window.
 
-    python -m bench.retrain [--tokens 50000] [--scale 1] [--json out.json]
+    python -m bench.retrain [--tokens 50000] [--scale 1] [--device cpu|cuda|auto] [--precision fp32|bf16] [--json out.json]
 """
 from __future__ import annotations
 
@@ -99,6 +99,8 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply --tokens (4: the memory-growth point)")
     parser.add_argument("--prompts", type=int, default=96, help="prompts to generate if nothing is cached")
     parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"), help="train.device")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="train.precision")
     parser.add_argument("--keep", help="keep the bench home here instead of a temporary folder")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
@@ -124,7 +126,8 @@ def main() -> int:
                       "model_id": cfg.model.model_id, "torch_threads": 1},
             "train": {"epochs": 1, "max_train_s": 3600.0, "max_train_tokens": args.tokens,
                       "max_seq_len": args.max_seq_len, "heldout_fraction": HELDOUT_FRACTION,
-                      "heldout_max_samples": 32, "window_samples": 0, "window_s": 0.0},
+                      "heldout_max_samples": 32, "window_samples": 0, "window_s": 0.0,
+                      "device": args.device, "precision": args.precision},
         }
         (home / "bench.yaml").write_text(yaml.safe_dump(config))
         result_path = home / "result.json"
@@ -166,7 +169,8 @@ def main() -> int:
          f"{m.get('champion_sim_accept_length', float('nan')):.3f} -> {m.get('candidate_sim_accept_length', float('nan')):.3f}"),
         ("dataset logging (s, not part of the retrain)", f"{log_s:.1f}"),
     ]
-    print_table(f"warm-start retrain on {args.tokens} tokens of logged data (1 torch thread)", rows)
+    print_table(f"warm-start retrain on {args.tokens} tokens of logged data (1 torch thread, "
+                f"train.device {args.device}, {args.precision})", rows)
     write_json(args.json, {"tokens": args.tokens, "wall_s": wall_s, "peak_rss_gib": rss_gib, "exit_code": code,
                            "phase_peak_rss_gib": phases, "sampled_peak_rss_gib": sampler.peak_gib,
                            "wait4_peak_rss_gib": usage.ru_maxrss / 1024**2,

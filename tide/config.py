@@ -224,6 +224,10 @@ class TrainConfig:
     feature_weight: float = 0.0
     train_head: bool = True
     data_dir: str = ""  # empty = the ingest data_dir (<home>/dataset)
+    # where a retrain runs (tide/train/device.py): auto = the GPU when PyTorch sees one (ROCm
+    # builds call AMD GPUs cuda too); cuda without one fails. bf16 = autocast, fp32 master weights
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "fp32"  # fp32 | bf16
 
 
 @dataclass(frozen=True)
@@ -358,6 +362,10 @@ class TideConfig:
         return Path(self.home) if self.home else default_home()
 
 
+# string fields with a closed set of values: anything else is refused when the config is read
+CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16")}
+
+
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names it."""
 
@@ -435,6 +443,9 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
             kwargs[name] = _build(tp, value, f"{where}.{name}")
         else:
             kwargs[name] = _coerce(value, tp, f"{where}.{name}")
+            allowed = CHOICES.get(f"{section}.{name}")
+            if allowed and kwargs[name] not in allowed:
+                raise ConfigError(f"{where}.{name}: {kwargs[name]!r} is not one of {allowed}")
     return cls(**kwargs)
 
 

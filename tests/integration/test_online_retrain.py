@@ -214,3 +214,32 @@ def test_sigterm_unwinds_cleanly(tmp_path, tiny_setup):
     runs = registry.client.search_runs([registry.experiment_id], "tags.`tide.kind` = 'retrain'")
     assert [r.info.status for r in runs] == ["KILLED"]
     assert not list((home / "retrain").glob("work-*"))
+
+
+def test_torchrun_two_ranks_train_and_only_rank_0_registers(tmp_path, tiny_setup):
+    """``tide train --online`` under torchrun (2 gloo ranks): one version, from one MLflow run."""
+    home, config = make_home(tmp_path, tiny_setup, 72, device="cpu")
+    result = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           *retrain_cmd(config, result)[2:]]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    payload = json.loads(result.read_text())
+    assert payload["status"] == "registered" and payload["version"] == 2, payload
+    registry = Registry.from_config(load_config(config))
+    assert sorted(v.version for v in registry.list_versions(include_incomplete=True)) == [1, 2]
+    metrics = registry.get_version(2).metrics
+    assert metrics["train_ranks"] == 2 and metrics["train_steps"] > 0 and metrics["train_tokens_per_s"] > 0
+    runs = registry.client.search_runs([registry.client.get_run(payload["run_id"]).info.experiment_id])
+    assert len([r for r in runs if r.data.tags.get("tide.kind") == "retrain"]) == 1
+
+
+def test_cuda_device_without_a_gpu_fails_with_a_clear_reason(tmp_path, tiny_setup, monkeypatch):
+    home, config = make_home(tmp_path, tiny_setup, 72, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = tmp_path / "result.json"
+    assert run_cli(load_config(config), str(result)) == 1
+    payload = json.loads(result.read_text())
+    assert payload["status"] == "failed" and "train.device is 'cuda' but no GPU is usable" in payload["reason"]
+    assert Registry.from_config(load_config(config)).list_versions(include_incomplete=True) == []

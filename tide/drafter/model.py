@@ -201,7 +201,7 @@ class Eagle3Drafter(nn.Module):
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab] target token id of each draft id."""
-        return torch.arange(self.shape.draft_vocab_size) + self.d2t
+        return torch.arange(self.shape.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

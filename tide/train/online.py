@@ -61,6 +61,7 @@ from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
 from tide.registry import Registry, code_version
 from tide.train.memory import PhaseMemory
+from tide.train.ranks import announce, current_ranks, run_rank, start, train_kwargs
 from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, plan_window
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
     short = _too_few(cfg.train, len(plan.recent), len(plan.heldout), "planned")
     if short:
         log.info("retrain: nothing to do: %s", short)
+        announce(None, None)
         return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short)
     inputs = _load_inputs(cfg, registry, plan, memory)
     short = _too_few(cfg.train, len(inputs.data.train), len(inputs.data.heldout), "readable")
@@ -211,6 +213,7 @@ def _load_inputs(cfg, registry: Registry, plan: WindowPlan, memory: PhaseMemory)
 
     with memory.phase("target"):
         parent, parent_folder, parent_recorded = _resolve_parent(cfg, registry)
+        announce(plan, parent_folder)
         target = load_target_heads(cfg)
         spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
         champion = load_drafter(parent_folder, spec)
@@ -242,9 +245,10 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     from tide.train.trainer import evaluate, prepare, train
 
     tc, data = cfg.train, inputs.data
+    device = start(cfg)
     embed, head = inputs.target.embed_weight, inputs.target.lm_head_weight
     eval_kw = dict(gamma=cfg.spec.draft_len, ttt_length=tc.ttt_length, step_weight=tc.step_weight_decay,
-                   max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens)
+                   max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens, device=device)
     t_eval = time.monotonic()
     with memory.phase("eval_parent"):
         before = evaluate(inputs.champion, embed, head, data.heldout, **eval_kw)
@@ -254,11 +258,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     with memory.phase("teacher"):  # the target's top tokens, once per training sample
         prepare(data.train, inputs.candidate, head)
     with memory.phase("train"):
-        trained = train(inputs.candidate, embed, head, data.train, epochs=tc.epochs, lr=tc.lr,
-                    batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len, ttt_length=tc.ttt_length,
-                        step_weight=tc.step_weight_decay, seed=tc.seed, progress=progress,
-                        max_wall_s=tc.max_train_s, feature_weight=tc.feature_weight,
-                        ce_weight=tc.ce_weight, train_head=tc.train_head)
+        trained = train(inputs.candidate, embed, head, data.train, device=device, **train_kwargs(tc, progress))
     # stored and served in bf16, as the static drafter (half the bytes to stream per draft
     # token); rounded before evaluation so the registered metrics describe those weights
     round_weights_(inputs.candidate, torch.bfloat16)
@@ -273,6 +273,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
                "heldout_positions": after.positions, "train_steps": trained.steps,
                "train_wall_s": trained.wall_s, "train_tokens_seen": trained.tokens_seen,
                "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),
+               "train_ranks": current_ranks().world, "train_on_gpu": int(device.type == "cuda"),
                "final_train_loss": trained.loss_curve[-1] if trained.loss_curve else float("nan"),
                "eval_s": eval_s, **memory.metrics()}
     run.log_series("train_loss", trained.loss_curve)
@@ -354,8 +355,11 @@ def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: 
     def on_term(signum, frame):
         raise RetrainInterrupted(f"signal {signum}")
 
+    if not current_ranks().is_main:  # torchrun's other ranks: train only; rank 0 reports
+        return run_rank(cfg, data_dir_of(cfg))
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
+        start(cfg)  # the device first: a cuda retrain without a GPU fails before any work
         result = run_retrain(cfg, progress=progress)
         code = 0
     except RetrainInterrupted as exc:

@@ -23,6 +23,9 @@ import torch
 from tqdm import tqdm
 
 from tide.drafter.model import Eagle3Drafter
+from tide.train.device import autocast, seed_all
+from tide.train.distributed import Ranks, from_main, reduce_step, step_groups, wrap
+from tide.train.loader import batch_stream, to_device
 from tide.train.objective import Batch, eagle3_loss, simulated_acceptance, target_top_tokens
 from tide.train.spill import SpilledStates
 
@@ -126,19 +129,25 @@ def prepare(samples: list[Sample], drafter: Eagle3Drafter, lm_head: torch.Tensor
             s.target_top = torch.zeros(len(s), dtype=torch.long)
             s.target_top[where] = target_top_tokens(s.states()[1][where], weight, PREPARE_CHUNK_TOKENS, logits)
         # recomputed every time: cheap, and the vocab mapping is the drafter's
-        s.in_vocab = drafter.t2d[s.target_top]
+        s.in_vocab = drafter.t2d.cpu()[s.target_top]
 
 
 def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample], *,
           epochs: int, lr: float, batch_tokens: int, max_len: int, ttt_length: int, step_weight: float,
           seed: int = 0, progress: bool = True, max_wall_s: float | None = None,
           on_step: Callable[[int, float], None] | None = None, feature_weight: float = 0.0,
-          ce_weight: float = 1.0, train_head: bool = True) -> TrainResult:
-    torch.manual_seed(seed)
+          ce_weight: float = 1.0, train_head: bool = True, device: torch.device | None = None,
+          precision: str = "fp32", ranks: Ranks = Ranks(), accumulate: int = 1) -> TrainResult:
+    """Train ``drafter`` in place on ``device`` (default CPU; left on the CPU afterwards). Each
+    step takes ``accumulate`` batches per rank (``tide/train/distributed.py``)."""
+    device = device or torch.device("cpu")
+    seed_all(seed)
     drafter.lm_head.weight.requires_grad_(train_head)
+    drafter.to(device)
+    embed, lm_head = embed.to(device), lm_head.to(device)
     prepare(samples, drafter, lm_head)
     batches = make_batches(samples, batch_tokens, max_len)
-    planned = max(1, epochs * len(batches))
+    planned = max(1, epochs * (len(batches) // (ranks.world * accumulate)))
     horizon = [planned]  # steps the schedule spans (shrunk by a time cap)
     warmup = max(1, horizon[0] // 20)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -146,6 +155,8 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / horizon[0])))))
     rng = random.Random(seed)
+    model = wrap(_Loss(drafter, embed, lm_head, ttt_length, step_weight, feature_weight, ce_weight), ranks,
+                 find_unused=ce_weight <= 0)
     result = TrainResult()
     start = time.monotonic()
     drafter.train()
@@ -154,50 +165,84 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
         for _ in range(epochs):
             order = list(range(len(batches)))
             rng.shuffle(order)
-            for bi in order:
-                batch = collate(batches[bi], max_len)
-                loss, losses, accs = eagle3_loss(drafter, embed, lm_head, batch, ttt_length, step_weight,
-                                                 feature_weight, ce_weight)
+            groups = step_groups(order, ranks, accumulate)
+            stream = batch_stream(lambda bi: collate(batches[bi], max_len), [bi for g in groups for bi in g], device)
+            for group in groups:
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                loss_sum, tokens, acc0 = 0.0, 0, 0.0
+                for _ in group:
+                    batch = next(stream)
+                    with autocast(device, precision):
+                        loss, losses, accs = model(batch)
+                    (loss / len(group) if len(group) > 1 else loss).backward()
+                    loss_sum += float(loss.detach())
+                    tokens += int(batch.loss_mask.sum())
+                    acc0 += accs[0]
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 sched.step()
+                loss_value, tokens, acc0 = reduce_step(ranks, device, loss_sum / len(group), tokens, acc0 / len(group))
                 result.steps += 1
-                result.tokens_seen += int(batch.loss_mask.sum())
-                result.loss_curve.append(float(loss.detach()))
-                result.step0_acc_curve.append(accs[0])
-                bar.set_postfix(loss=f"{result.loss_curve[-1]:.3f}", acc0=f"{accs[0]:.2f}")
+                result.tokens_seen += tokens
+                result.loss_curve.append(loss_value)
+                result.step0_acc_curve.append(acc0)
+                bar.set_postfix(loss=f"{result.loss_curve[-1]:.3f}", acc0=f"{acc0:.2f}")
                 bar.update(1)
                 if on_step:
                     on_step(result.steps, result.loss_curve[-1])
                 elapsed = time.monotonic() - start
                 if max_wall_s is not None and result.steps in CAP_ESTIMATE_STEPS:
                     fit = int(max_wall_s / (elapsed / result.steps))
-                    horizon[0] = max(min(fit, planned), result.steps + 1)
+                    horizon[0] = from_main(ranks, device, max(min(fit, planned), result.steps + 1))
                     bar.total = horizon[0]
-                if result.steps >= horizon[0] or (max_wall_s is not None and elapsed > max_wall_s):
+                if from_main(ranks, device, int(result.steps >= horizon[0] or (
+                        max_wall_s is not None and elapsed > max_wall_s))):
                     return result
     finally:
         bar.close()
         drafter.lm_head.weight.requires_grad_(True)
         drafter.eval()
+        drafter.to("cpu")
         result.wall_s = time.monotonic() - start
     return result
+
+
+class _Loss(torch.nn.Module):
+    """``eagle3_loss`` as a module's forward: what DDP wraps (its hooks need a forward call)."""
+
+    def __init__(self, drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, ttt_length: int,
+                 step_weight: float, feature_weight: float, ce_weight: float):
+        super().__init__()
+        self.drafter = drafter
+        self.inputs = (embed, lm_head)  # frozen target tensors: not parameters, never synchronised
+        self.weights = (ttt_length, step_weight, feature_weight, ce_weight)
+
+    def forward(self, batch: Batch):
+        return eagle3_loss(self.drafter, *self.inputs, batch, *self.weights)
 
 
 @torch.no_grad()
 def evaluate(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
              gamma: int, ttt_length: int | None = None, step_weight: float = 0.8, max_len: int = 1024,
-             batch_tokens: int = 4096) -> EvalResult:
-    """Simulated greedy acceptance length and loss on held-out samples (weighted by positions).
+             batch_tokens: int = 4096, device: torch.device | None = None) -> EvalResult:
+    """Simulated greedy acceptance length and loss on held-out samples (weighted by positions),
+    in fp32 on ``device`` (default CPU; the drafter is left on the CPU).
 
     The loss unrolls ``ttt_length`` steps (default: ``gamma``, the steps acceptance counts)."""
-    drafter.eval()
+    device = device or torch.device("cpu")
+    try:
+        return _evaluate(drafter.to(device).eval(), embed.to(device), lm_head.to(device), samples, gamma,
+                         ttt_length, step_weight, max_len, batch_tokens, device)
+    finally:
+        drafter.to("cpu")
+
+
+def _evaluate(drafter, embed, lm_head, samples, gamma, ttt_length, step_weight, max_len, batch_tokens,
+              device) -> EvalResult:
     prepare(samples, drafter, lm_head)
     n_total, acc_sum, rate_sums, loss_sum, loss_batches = 0, 0.0, [0.0] * gamma, 0.0, 0
     for group in make_batches(samples, batch_tokens, max_len):
-        batch = collate(group, max_len)
+        batch = to_device(collate(group, max_len), device)
         acc, rates, n = simulated_acceptance(drafter, embed, lm_head, batch, gamma)
         loss, _, _ = eagle3_loss(drafter, embed, lm_head, batch, ttt_length or gamma, step_weight)
         n_total += n
