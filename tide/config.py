@@ -223,6 +223,10 @@ class TrainConfig:
     ce_weight: float = 1.0
     feature_weight: float = 0.0
     train_head: bool = True
+    # fit a calibrated confidence head for the candidate (tide/train/confidence.py); a drafter
+    # with one stops greedy drafts on chain survival instead of the raw top probability, so it
+    # stays off until bench/spec_decode shows that rule no slower than the plain one
+    confidence_head: bool = False
     data_dir: str = ""  # empty = the ingest data_dir (<home>/dataset)
     # where a retrain runs (tide/train/device.py): auto = the GPU when PyTorch sees one (ROCm
     # builds call AMD GPUs cuda too); cuda without one fails. bf16 = autocast, fp32 master weights

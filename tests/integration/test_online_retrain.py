@@ -134,6 +134,7 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     trained, parent = load_drafter(local, spec), load_drafter(registry.download(1), spec)
     assert mapping_digest(trained.d2t) == mapping_digest(parent.d2t)
     assert not torch.equal(trained.fc.weight, parent.fc.weight)  # it did train
+    assert trained.confidence is None  # train.confidence_head is off by default
     # stored in bf16, and the registered metrics were measured on those rounded weights
     from safetensors import safe_open
     with safe_open(str(local / "model.safetensors"), "pt") as f:
@@ -149,6 +150,22 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     assert len(OfflineManifestReader(str(tmp_path / "specforge")).read()) == manifest["samples"]
     mapping = torch.load(tmp_path / "specforge" / "vocab_mapping" / "vocab_mapping.pt")
     assert torch.equal(mapping["d2t"], parent.d2t)
+
+
+def test_confidence_head_is_fitted_registered_and_loaded(tmp_path, tiny_setup):
+    """train.confidence_head: the candidate carries a calibrated head (checksummed beside the
+    weights), and its calibration errors are the version's metrics."""
+    home, config = make_home(tmp_path, tiny_setup, 72, confidence_head=True)
+    code, payload, err = run_job(config, tmp_path / "result.json")
+    assert code == 0, err
+    registry = Registry.from_config(load_config(config))
+    version = registry.get_version(payload["version"])
+    for key in ("confidence_ece", "confidence_ece_raw", "confidence_ece_top_prob"):
+        assert 0.0 <= version.metrics[key] <= 1.0, key
+    assert 0 < version.metrics["peak_rss_gib.confidence"] <= version.metrics["peak_rss_gib"]
+    trained = load_drafter(registry.download(payload["version"]), TargetSpec(64, 512, AUX), require_checksum=True)
+    assert trained.confidence is not None and len(trained.confidence.temperature) == 3  # spec.draft_len
+    assert bool((trained.confidence.temperature > 0).all())
 
 
 def test_killed_retrain_leaves_no_version_and_the_next_one_succeeds(tmp_path, tiny_setup):

@@ -266,6 +266,8 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     with memory.phase("eval_candidate"):
         after = evaluate(inputs.candidate, embed, head, data.heldout, **eval_kw)
     eval_s += time.monotonic() - t_eval
+    with memory.phase("confidence"):
+        inputs.candidate.confidence, confidence = _fit_confidence(cfg, inputs)
     if mapping_digest(inputs.candidate.d2t) != inputs.vocab:
         raise RuntimeError("the vocab mapping changed during training")
     metrics = {**_eval_metrics("candidate", after), **_eval_metrics("champion", before),
@@ -275,12 +277,29 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
                "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),
                "train_ranks": current_ranks().world, "train_on_gpu": int(device.type == "cuda"),
                "final_train_loss": trained.loss_curve[-1] if trained.loss_curve else float("nan"),
-               "eval_s": eval_s, **memory.metrics()}
+               "eval_s": eval_s, **confidence, **memory.metrics()}
     run.log_series("train_loss", trained.loss_curve)
     run.log_series("train_step0_acc", trained.step0_acc_curve)
     log.info("retrain: sim accept length %.3f -> %.3f on %d held-out positions",
              before.accept_length, after.accept_length, after.positions)
     return _Trained(before, after, trained.loss_curve, metrics)
+
+
+def _fit_confidence(cfg, inputs: _Inputs):
+    """The candidate's confidence head and its calibration metrics; none when not configured (a
+    head inherited from the parent was fitted to other weights, so it is dropped either way)."""
+    if not cfg.train.confidence_head:
+        return None, {}
+    from tide.drafter.confidence import frozen
+    from tide.train.confidence import fit_confidence
+
+    tc, data = cfg.train, inputs.data
+    head, report = fit_confidence(inputs.candidate, inputs.target.embed_weight, inputs.target.lm_head_weight,
+                                  data.train, data.heldout, depth=cfg.spec.draft_len,
+                                  batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len, seed=tc.seed)
+    log.info("retrain: confidence head ECE %.4f (raw %.4f, top probability %.4f)",
+             report["ece"], report["ece_raw"], report["ece_top_prob"])
+    return frozen(head), {f"confidence_{k}": v for k, v in report.items() if k != "temperatures"}
 
 
 def _register(cfg, registry: Registry, run, inputs: _Inputs, trained: _Trained, code: str, work: Path):
