@@ -20,10 +20,10 @@ from bench.report import print_table, write_json
 from tide import workloads
 from tide.config import load_config
 from tide.drafter.artifact import TargetSpec, load_drafter
+from tide.drafter.confidence import ConfidenceHead
 from tide.drafter.static import static_drafter_path
 from tide.models.target import eos_ids_of, load_target
 from tide.train.confidence import _features_of, alive_ece, calibration_error, fit_head, fit_temperatures
-from tide.drafter.confidence import ConfidenceHead
 from tide.train.offline import generate_samples, render_prompt
 
 

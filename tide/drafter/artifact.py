@@ -29,8 +29,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from tide.drafter.confidence import CONFIDENCE_SHA, load_confidence, save_confidence
 from tide.drafter.bounds import LIMITS, config_problems, expected_state, fit_problems, header_problems
+from tide.drafter.confidence import CONFIDENCE_SHA, load_confidence, save_confidence
 from tide.drafter.model import DrafterShape, Eagle3Drafter
 from tide.drafter.vocab import mapping_digest
 

@@ -3,8 +3,15 @@
 import torch
 
 from tide.drafter.confidence import ConfidenceHead
-from tide.train.confidence import (Features, _best_temperature, alive_ece, calibration_error, collect,
-                                 fit_head, fit_temperatures)
+from tide.train.confidence import (
+    Features,
+    _best_temperature,
+    alive_ece,
+    calibration_error,
+    collect,
+    fit_head,
+    fit_temperatures,
+)
 from tide.train.objective import Batch, simulated_acceptance
 
 

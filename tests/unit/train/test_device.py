@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
+from tests.unit.train.test_trainer import _samples
 from tide.config import ConfigError, load_config
 from tide.train.device import DeviceError, autocast, resolve_device
 from tide.train.objective import eagle3_loss
 from tide.train.trainer import collate, make_batches, prepare, train
-from tests.unit.train.test_trainer import _samples
 
 KWARGS = dict(epochs=2, lr=3e-3, batch_tokens=80, max_len=256, ttt_length=3, step_weight=0.8)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from tests.unit.train.test_trainer import _samples
 from tide.train.distributed import Ranks, step_groups
 from tide.train.trainer import train
-from tests.unit.train.test_trainer import _samples
 
 REPO = Path(__file__).resolve().parents[3]
 KWARGS = dict(epochs=2, lr=3e-3, batch_tokens=40, max_len=256, ttt_length=3, step_weight=0.8)
