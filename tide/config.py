@@ -232,6 +232,9 @@ class TrainConfig:
     # builds call AMD GPUs cuda too); cuda without one fails. bf16 = autocast, fp32 master weights
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "fp32"  # fp32 | bf16
+    # who trains: TIDE's trainer, or SpecForge's EAGLE3 trainer where it is installed with a GPU
+    # (tide/train/specforge_backend.py; refused before any work otherwise)
+    backend: str = "tide"  # tide | specforge
 
 
 @dataclass(frozen=True)
@@ -367,7 +370,8 @@ class TideConfig:
 
 
 # string fields with a closed set of values: anything else is refused when the config is read
-CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16")}
+CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16"),
+           "train.backend": ("tide", "specforge")}
 
 
 class ConfigError(ValueError):

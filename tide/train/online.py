@@ -67,7 +67,6 @@ from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, p
 log = logging.getLogger(__name__)
 
 
-
 class RetrainInterrupted(BaseException):
     """SIGTERM arrived (the scheduler's timeout or shutdown): unwind, clean up, exit non-zero."""
 
@@ -181,7 +180,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
     work = Path(tempfile.mkdtemp(prefix=f"work-{os.getpid()}-", dir=_mkdir(_work_root(cfg))))
     try:
         _log_params(run, cfg, inputs, summary, code)
-        trained = _train_and_evaluate(cfg, inputs, run, progress, memory)
+        trained = _train_and_evaluate(cfg, inputs, run, progress, memory, work)
         trained.metrics["load_s"] = inputs.loaded_at - t_start
         with memory.phase("register"):
             info = _register(cfg, registry, run, inputs, trained, code, work)
@@ -238,7 +237,7 @@ def _log_params(run, cfg, inputs: _Inputs, summary: dict, code: str) -> None:
     })
 
 
-def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: PhaseMemory) -> _Trained:
+def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: PhaseMemory, work: Path) -> _Trained:
     """Step 6: evaluate the parent, train the candidate, evaluate it on the same held-out slice."""
     import torch
 
@@ -258,7 +257,11 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     with memory.phase("teacher"):  # the target's top tokens, once per training sample
         prepare(data.train, inputs.candidate, head)
     with memory.phase("train"):
-        trained = train(inputs.candidate, embed, head, data.train, device=device, **train_kwargs(tc, progress))
+        if tc.backend == "specforge":  # SpecForge's trainer; its result comes back validated
+            from tide.train.specforge_backend import train_specforge
+            inputs.candidate, trained = train_specforge(cfg, inputs, work, data_dir_of(cfg))
+        else:
+            trained = train(inputs.candidate, embed, head, data.train, device=device, **train_kwargs(tc, progress))
     # stored and served in bf16, as the static drafter (half the bytes to stream per draft
     # token); rounded before evaluation so the registered metrics describe those weights
     round_weights_(inputs.candidate, torch.bfloat16)
@@ -379,6 +382,9 @@ def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         start(cfg)  # the device first: a cuda retrain without a GPU fails before any work
+        if cfg.train.backend == "specforge":  # so does a SpecForge one without SpecForge or a GPU
+            from tide.train.specforge_backend import require
+            require(current_ranks().world)
         result = run_retrain(cfg, progress=progress)
         code = 0
     except RetrainInterrupted as exc:
