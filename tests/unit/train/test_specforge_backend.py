@@ -167,3 +167,79 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+
+
+def test_specforge_warm_starts_from_tide_artifact(tiny_drafter, tmp_path):
+    """SpecForge's own weights-only warm start reads the champion folder TIDE writes."""
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.training.model_loading import warm_start_draft_model
+    from transformers import LlamaConfig
+
+    folder = save_drafter(tiny_drafter, sb.Layout(tmp_path).warm_start)
+    draft_config = LlamaConfig(**json.loads((folder / "config.json").read_text()))
+    model = LlamaForCausalLMEagle3(draft_config, attention_backend="sdpa")
+    report = warm_start_draft_model(model, str(folder), draft_config=draft_config, strategy="eagle3",
+                                    allow_missing_embedding=True)
+    assert report.checkpoint_format == "pretrained" and not report.loaded_embedding
+    assert torch.equal(model.fc.weight, tiny_drafter.fc.weight) and torch.equal(model.d2t, tiny_drafter.d2t)
+
+
+FAKE_TRAIN = """
+import json, sys
+from pathlib import Path
+from specforge.config import load_config
+cfg = load_config(sys.argv[1], [])
+assert any(Path(cfg.data.hidden_states_path).glob("rows_0-2000/data_0.ckpt"))
+assert Path(cfg.model.vocab_mapping_path).is_file()
+assert (Path(cfg.model.draft_checkpoint_path) / "model.safetensors").is_file()
+step = Path(cfg.output_dir) / f"{cfg.run_id}-step6"
+step.mkdir(parents=True)
+(step / "training_state.pt").write_bytes(b"a pickle TIDE must never read")
+"""
+FAKE_EXPORT = """
+import shutil, sys
+from pathlib import Path
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+assert (Path(args["--checkpoint"]) / "training_state.pt").is_file()
+out = Path(args["--output-dir"]); out.mkdir()
+shutil.copy(args["--draft-config"], out / "config.json")  # what save_pretrained writes, weights unchanged
+shutil.copy(Path(args["--draft-config"]).parent / "model.safetensors", out / "model.safetensors")
+"""
+
+
+def test_train_specforge_wires_export_run_and_import(tiny_target, tiny_drafter, tmp_path, monkeypatch):
+    """The orchestration with SpecForge's two commands replaced by stand-ins (no GPU here): the
+    window and warm start reach the trainer, the exported folder comes back validated."""
+    from types import SimpleNamespace
+
+    from tide.models.tiny import tiny_llama_checkpoint
+    from tide.train.capture_log import log_samples
+    from tide.train.trainer import Sample
+    from tide.train.window import WindowSpec, plan_window
+
+    shape, g = tiny_target.shape, torch.Generator().manual_seed(0)
+    samples = [Sample(tokens=torch.randint(0, shape.vocab_size, (20,), generator=g), loss_mask=torch.ones(20),
+                      aux=torch.randn(20, 3 * shape.hidden_size, generator=g),
+                      final=torch.randn(20, shape.hidden_size, generator=g)) for _ in range(12)]
+    data_dir = tmp_path / "dataset"
+    log_samples(data_dir, samples, [5] * len(samples), target_model_id="org/m", aux_layer_ids=(1, 2, 3),
+                start_s=1_700_000_000.0, id_prefix="r", max_message_bytes=8000)
+    plan = plan_window(data_dir, WindowSpec(heldout_fraction=0.2, target_model="org/m"))
+    target_folder = tiny_llama_checkpoint(tmp_path / "target")
+    cfg = load_config(env={}, overrides={"home": str(tmp_path / "home"), "model": {"target": str(target_folder)},
+                                         "train": {"backend": "specforge", "max_train_s": 120, "epochs": 2}})
+    for name, body in (("train.py", FAKE_TRAIN), ("export.py", FAKE_EXPORT)):
+        (tmp_path / name).write_text(body)
+    monkeypatch.setattr(sb, "require", lambda world=1: None)
+    monkeypatch.setattr(sb, "train_command", lambda layout: [sys.executable, str(tmp_path / "train.py"),
+                                                             str(layout.config)])
+    real_export = sb.export_command
+    monkeypatch.setattr(sb, "export_command", lambda layout, ckpt: [sys.executable, str(tmp_path / "export.py")]
+                        + real_export(layout, ckpt)[6:])
+    inputs = SimpleNamespace(plan=plan, champion=tiny_drafter, vocab=mapping_digest(tiny_drafter.d2t),
+                             target=SimpleNamespace(shape=shape, aux_layer_ids=tiny_target.aux_layer_ids))
+    candidate, result = sb.train_specforge(cfg, inputs, tmp_path / "work", data_dir)
+    assert result.steps == 6 and result.tokens_seen == 2 * 20 * len(plan.train_ids) and result.wall_s > 0
+    assert torch.equal(candidate.fc.weight, tiny_drafter.fc.weight) and torch.equal(candidate.d2t, tiny_drafter.d2t)
+    run = json.loads((tmp_path / "work" / "specforge" / "run.json").read_text())
+    assert run["model"]["target_model_path"] == str(target_folder)
