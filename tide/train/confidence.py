@@ -13,17 +13,19 @@
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tide.drafter.confidence import ConfidenceHead, features
+from tide.drafter.confidence import Confidence, ConfidenceHead, features, frozen
 from tide.drafter.model import Eagle3Drafter
 from tide.train.objective import needed_rows, unroll
 from tide.train.trainer import Sample, collate, make_batches, prepare
 
 ECE_BINS = 15
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,3 +185,18 @@ def fit_confidence(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.T
               "temperatures": temps, "train_bce": bce, "calib_rows": int(calib.alive.sum()),
               "test_rows": int(test.alive.sum())}
     return head.eval().requires_grad_(False), report
+
+
+def fit_for_retrain(cfg, candidate: Eagle3Drafter, target, data) -> tuple[Confidence | None, dict]:
+    """A retrain's candidate head (frozen) and its calibration metrics; none unless
+    ``train.confidence_head`` (a head inherited from the parent was fitted to other weights, so
+    it is dropped either way)."""
+    if not cfg.train.confidence_head:
+        return None, {}
+    tc = cfg.train
+    head, report = fit_confidence(candidate, target.embed_weight, target.lm_head_weight, data.train, data.heldout,
+                                  depth=cfg.spec.draft_len, batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len,
+                                  seed=tc.seed)
+    log.info("retrain: confidence head ECE %.4f (raw %.4f, top probability %.4f)",
+             report["ece"], report["ece_raw"], report["ece_top_prob"])
+    return frozen(head), {f"confidence_{k}": v for k, v in report.items() if k != "temperatures"}

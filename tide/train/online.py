@@ -60,6 +60,7 @@ from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save
 from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
 from tide.registry import Registry, code_version
+from tide.train.confidence import fit_for_retrain
 from tide.train.memory import PhaseMemory
 from tide.train.ranks import announce, current_ranks, run_rank, start, train_kwargs
 from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, plan_window
@@ -270,7 +271,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
         after = evaluate(inputs.candidate, embed, head, data.heldout, **eval_kw)
     eval_s += time.monotonic() - t_eval
     with memory.phase("confidence"):
-        inputs.candidate.confidence, confidence = _fit_confidence(cfg, inputs)
+        inputs.candidate.confidence, confidence = fit_for_retrain(cfg, inputs.candidate, inputs.target, data)
     if mapping_digest(inputs.candidate.d2t) != inputs.vocab:
         raise RuntimeError("the vocab mapping changed during training")
     metrics = {**_eval_metrics("candidate", after), **_eval_metrics("champion", before),
@@ -286,23 +287,6 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     log.info("retrain: sim accept length %.3f -> %.3f on %d held-out positions",
              before.accept_length, after.accept_length, after.positions)
     return _Trained(before, after, trained.loss_curve, metrics)
-
-
-def _fit_confidence(cfg, inputs: _Inputs):
-    """The candidate's confidence head and its calibration metrics; none when not configured (a
-    head inherited from the parent was fitted to other weights, so it is dropped either way)."""
-    if not cfg.train.confidence_head:
-        return None, {}
-    from tide.drafter.confidence import frozen
-    from tide.train.confidence import fit_confidence
-
-    tc, data = cfg.train, inputs.data
-    head, report = fit_confidence(inputs.candidate, inputs.target.embed_weight, inputs.target.lm_head_weight,
-                                  data.train, data.heldout, depth=cfg.spec.draft_len,
-                                  batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len, seed=tc.seed)
-    log.info("retrain: confidence head ECE %.4f (raw %.4f, top probability %.4f)",
-             report["ece"], report["ece_raw"], report["ece_top_prob"])
-    return frozen(head), {f"confidence_{k}": v for k, v in report.items() if k != "temperatures"}
 
 
 def _register(cfg, registry: Registry, run, inputs: _Inputs, trained: _Trained, code: str, work: Path):
