@@ -90,6 +90,10 @@ class PhaseMemory:
             yield
         finally:
             peak = high_water_gib()
+            if not self.exact:
+                # "the peak so far" must not fall: the kernel folds the current RSS into VmHWM
+                # only when read, so a figure read before the heap was trimmed can exceed a later one
+                peak = max(peak, self._process_peak_gib)
             self._process_peak_gib = max(self._process_peak_gib, peak)
             self.peaks_gib[name] = max(self.peaks_gib.get(name, 0.0), peak)
             trim_heap()
