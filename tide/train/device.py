@@ -15,8 +15,10 @@ import random
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16")
+from tide.config import CHOICES
+
+DEVICES = CHOICES["train.device"]
+PRECISIONS = CHOICES["train.precision"]
 
 
 class DeviceError(RuntimeError):

@@ -256,7 +256,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     log.info("retrain: training (parent sim accept length %.3f; peak RSS %.2f GiB)",
              before.accept_length, memory.process_peak_gib)
     with memory.phase("teacher"):  # the target's top tokens, once per training sample
-        prepare(data.train, inputs.candidate, head)
+        prepare(data.train, inputs.candidate, head.to(device))  # the full-vocab projection: on the GPU if any
     with memory.phase("train"):
         if tc.backend == "specforge":  # SpecForge's trainer; its result comes back validated
             from tide.train.specforge_backend import train_specforge
@@ -362,7 +362,7 @@ def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: 
         raise RetrainInterrupted(f"signal {signum}")
 
     if not current_ranks().is_main:  # torchrun's other ranks: train only; rank 0 reports
-        return run_rank(cfg, data_dir_of(cfg))
+        return run_rank(cfg, data_dir_of(cfg), _work_root(cfg))
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         start(cfg)  # the device first: a cuda retrain without a GPU fails before any work

@@ -43,12 +43,13 @@ def announce(plan, parent_folder) -> None:
     share(current_ranks(), None if plan is None else (plan, str(parent_folder)))
 
 
-def run_rank(cfg, data_dir) -> int:
-    """A rank other than 0: train its share of rank 0's plan from ``data_dir``; exit code 0."""
+def run_rank(cfg, data_dir, spill_dir) -> int:
+    """A rank other than 0: train its share of rank 0's plan from ``data_dir`` (states spilled
+    under ``spill_dir``, as on rank 0); exit code 0."""
     from pathlib import Path
 
     from tide.drafter.artifact import TargetSpec, load_drafter
-    from tide.models.target import load_target
+    from tide.models.target import load_target_heads
     from tide.train.trainer import train
     from tide.train.window import load_window
 
@@ -57,14 +58,17 @@ def run_rank(cfg, data_dir) -> int:
     if got is None:
         return 0
     plan, parent_folder = got
-    target, _, _ = load_target(cfg)
+    target = load_target_heads(cfg)  # embeddings + lm_head: all training reads of the target
     drafter = load_drafter(Path(parent_folder), TargetSpec(target.shape.hidden_size, target.shape.vocab_size,
                                                            target.aux_layer_ids))
     tc = cfg.train
-    data = load_window(data_dir, plan, tc.train_on_prompt, tc.max_seq_len)
-    if len(data.train) < tc.min_samples or len(data.heldout) < tc.min_heldout_samples:
-        return 0  # rank 0 reads the same requests and finds the same: nothing to do
-    result = train(drafter, target.embed_weight, target.lm_head_weight, data.train, device=device,
-                   **train_kwargs(tc))
+    data = load_window(data_dir, plan, tc.train_on_prompt, tc.max_seq_len, spill_dir=spill_dir)
+    try:
+        if len(data.train) < tc.min_samples or len(data.heldout) < tc.min_heldout_samples:
+            return 0  # rank 0 reads the same requests and finds the same: nothing to do
+        result = train(drafter, target.embed_weight, target.lm_head_weight, data.train, device=device,
+                       **train_kwargs(tc))
+    finally:
+        data.close()
     log.info("rank %d: %d steps", current_ranks().rank, result.steps)
     return 0

@@ -124,7 +124,7 @@ def prepare(samples: list[Sample], drafter: Eagle3Drafter, lm_head: torch.Tensor
     for s in samples:
         if s.target_top is None:
             if logits is None:
-                logits = torch.empty(PREPARE_CHUNK_TOKENS, weight.shape[0])
+                logits = torch.empty(PREPARE_CHUNK_TOKENS, weight.shape[0], device=weight.device)
             where = s.loss_mask > 0
             s.target_top = torch.zeros(len(s), dtype=torch.long)
             s.target_top[where] = target_top_tokens(s.states()[1][where], weight, PREPARE_CHUNK_TOKENS, logits)
