@@ -5,7 +5,8 @@
 # the pack's held-out requests, and prints held-out simulated acceptance and training tokens/s on
 # each, with the GPU/CPU ratios (bench/train_device.py). Needs only PyTorch with CUDA/ROCm,
 # safetensors, PyYAML, tqdm (what a PyTorch + transformers machine has): nothing is installed and
-# nothing downloaded. The pack (~45 MiB, ignored by git) is written beforehand on a machine with
+# nothing downloaded. The pack (ignored by git; with the repo it must fit the 64 MiB a lent GPU
+# machine receives) is written beforehand on a machine with
 # the target cached: python -m bench.train_device --pack-out .gpu-check/pack
 # Usage: scripts/gpu_check_train.sh [--pack DIR] [--epochs 4] [--json OUT] (bench/train_device.py flags)
 # Budget: under 8 minutes (the CPU run is most of it; --epochs lowers it).
