@@ -4,7 +4,8 @@ The target answers workload prompts greedily (its states at every position, as c
 them); the head is fitted on the train-split answers, its per-depth temperatures on half of the
 held-out answers, and expected calibration error (ECE) is measured on the other half for three
 survival estimates: the draft's raw top probability (today's stop rule), the head before scaling
-and after. The 90% interval resamples held-out requests (rows within one request correlate).
+and after (and, side by side, a head fitted only on the rows whose chain is alive). The 90%
+interval resamples held-out requests (rows within one request correlate).
 
     python -m bench.confidence [--workload chat] [--train-prompts 96] [--heldout-prompts 64] [--json out.json]
 """
@@ -70,23 +71,30 @@ def main() -> int:
     train = answers(target, tok, eos, args.workload, "train", args.train_prompts, args.max_new_tokens, 0)
     held = answers(target, tok, eos, args.workload, "heldout", args.heldout_prompts, args.max_new_tokens, 1)
     feats = lambda samples: _features_of(drafter, embed, lm_head, samples, args.depth, 65536, 4096, 1024, 0)
-    head = ConfidenceHead(drafter.shape.hidden_size, args.depth)
-    bce = fit_head(head, feats(train), l2=args.l2)
+    fit_data = feats(train)
+    head, alive_fit = (ConfidenceHead(drafter.shape.hidden_size, args.depth) for _ in range(2))
+    bce = fit_head(head, fit_data, l2=args.l2)
+    fit_head(alive_fit, fit_data, l2=args.l2, alive_only=True)  # the option, side by side
     calib, test = feats(held[0::2]), feats(held[1::2])
     raw = alive_ece(head, test, raw=True)
+    fit_temperatures(alive_fit, calib)
+    alive_scaled, alive_interval = alive_ece(alive_fit, test), interval_over_requests(alive_fit, test)
     top = calibration_error(test.x[test.alive, -1].exp(), test.label[test.alive])
     temps = fit_temperatures(head, calib)
     scaled = alive_ece(head, test)
     lo, hi = interval_over_requests(head, test)
     summary = {"workload": args.workload, "train_requests": len(train), "heldout_requests": len(held),
                "test_rows": int(test.alive.sum()), "ece_top_prob": top, "ece_head_raw": raw, "ece_head_scaled": scaled,
-               "ece_scaled_interval_90": [lo, hi], "temperatures": temps, "train_bce": bce}
+               "ece_scaled_interval_90": [lo, hi],
+               "ece_alive_fit_scaled": alive_scaled, "ece_alive_fit_interval_90": list(alive_interval), "temperatures": temps, "train_bce": bce}
     print_table(f"draft confidence calibration ({args.workload}, depth {args.depth})", [
         ("metric", "value"), ("requests: train / held-out", f"{len(train)} / {len(held)}"),
         ("held-out rows scored (chains alive)", summary["test_rows"]),
         ("ECE, raw draft top probability", f"{top:.4f}"), ("ECE, head before scaling", f"{raw:.4f}"),
         ("ECE, head after sequential scaling", f"{scaled:.4f}"),
         ("  90% interval over requests", f"{lo:.4f} - {hi:.4f}"),
+        ("ECE after scaling, head fitted on alive rows only", f"{alive_scaled:.4f}"),
+        ("  90% interval over requests", "{:.4f} - {:.4f}".format(*alive_interval)),
         ("temperatures by depth", " ".join(f"{t:.2f}" for t in temps))])
     write_json(args.json, summary)
     return 0

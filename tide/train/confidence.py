@@ -4,7 +4,9 @@
    ``simulated_acceptance`` scores) and keeps, per draft depth k, the features and the label
    "draft k equals the target's argmax"; ``alive`` marks rows whose drafts 0..k-1 all survived;
 2. ``fit_head`` trains w, b with a BCE loss (L2-regularised logistic regression: convex, so
-   L-BFGS gives the same answer every run);
+   L-BFGS gives the same answer every run) on every reached row; ``alive_only`` fits only the
+   rows whose chain survived so far (the event the head's output is conditioned on): on held-out
+   chat it calibrated no better after scaling (docs/benchmarks.md), so it is not the default;
 3. ``fit_temperatures`` is sequential temperature scaling: depth by depth, one temperature T_k on
    the held-out rows that reached depth k, so ``σ(z_k / T_k)`` is P(survive k | survived < k) and
    the product over depths is the chain's survival, what a draft-length scheduler needs;
@@ -82,8 +84,11 @@ def collect(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.T
     return Features.cat(parts)
 
 
-def fit_head(head: ConfidenceHead, data: Features, l2: float = 1e-3, iters: int = 100) -> float:
+def fit_head(head: ConfidenceHead, data: Features, l2: float = 1e-3, iters: int = 100,
+             alive_only: bool = False) -> float:
     """Logistic regression of survival on the features; returns the final mean BCE."""
+    if alive_only:
+        data = data.take(data.alive.nonzero().flatten())
     y = data.label.float()
     opt = torch.optim.LBFGS(head.proj.parameters(), lr=1.0, max_iter=iters, line_search_fn="strong_wolfe")
 

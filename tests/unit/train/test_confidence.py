@@ -56,6 +56,19 @@ def test_sequential_scaling_fixes_an_overconfident_head():
     assert all(2.4 < t < 3.6 for t in temps), temps
 
 
+def test_alive_only_fit_is_calibrated_where_dead_rows_are_harder():
+    # rows whose chain broke are harder than their features say: a head fitted on every row is
+    # then under-confident exactly where a scheduler reads it
+    data, p = _synthetic(20000)
+    harder = torch.rand(len(data), generator=torch.Generator().manual_seed(1)) < 0.5
+    data.label &= data.alive | harder
+    alive = data.take(data.alive.nonzero().flatten())
+    fitted, biased = ConfidenceHead(2, depth=3), ConfidenceHead(2, depth=3)
+    fit_head(fitted, data, alive_only=True)
+    fit_head(biased, data)
+    assert alive_ece(fitted, alive, raw=True) < 0.03 < alive_ece(biased, alive, raw=True)
+
+
 def test_collected_labels_are_the_simulated_acceptance_chain(tiny_target, tiny_drafter):
     g = torch.Generator().manual_seed(0)
     b, t, h = 2, 20, tiny_target.shape.hidden_size
