@@ -92,9 +92,11 @@ class SpecPolicy:
 
     def view(self) -> dict:
         """JSON-ready state for the engine's health view."""
+        # called from other threads while the decode thread updates: iterate over copies
         out = {"scheduler": self.scheduler,
-               "speculation": {w: {"on": s["on"], "reason": s["reason"]} for w, s in self.gate.state.items()},
-               "acceptance_by_depth": {w: [round(a, 3) for a in t.conditional()] for w, t in self._trackers.items()}}
+               "speculation": {w: {"on": s["on"], "reason": s["reason"]} for w, s in list(self.gate.state.items())},
+               "acceptance_by_depth": {w: [round(a, 3) for a in t.conditional()]
+                                       for w, t in list(self._trackers.items())}}
         if self.cost is not None and self.cost.measured():
             out["step_cost"] = self.cost.table()
         return out
