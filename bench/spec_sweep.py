@@ -1,11 +1,11 @@
 """Concurrency sweep: target-only, fixed γ, today's stop rule and the cost scheduler, side by side.
 
 For each concurrency B and round, the same B held-out prompts go through four reference engines
-(one per mode, all alive at once, the mode order rotated per round so drift in machine load hits
-all alike). Decode tokens/s of a round = tokens after every request's first token / seconds from
+(one per mode, all alive at once and serving every concurrency, the mode order rotated per round
+so drift in machine load hits all alike). Decode tokens/s of a round = tokens after every request's first token / seconds from
 then until the last finishes (prefill excluded). Ratios to target-only come with 90% paired
-bootstrap intervals over rounds. The cost scheduler's step-cost profile is measured once at the
-start and shared by its engines (each engine then keeps it current from its own steps).
+bootstrap intervals over rounds. The cost engine measures its step cost at start-up and keeps it
+and its running acceptance current from its own steps across the concurrencies.
 
     python -m bench.spec_sweep --workload chat --batch 1,2,4,8 --rounds 4 [--json out.json]
 """
@@ -25,7 +25,6 @@ from tide.drafter.static import static_drafter_path
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine, load_target
 from tide.report import ModeResult, ratio_interval
-from tide.spec.cost import StepCostModel
 from tide.train.offline import render_prompt
 
 MODES = ("target", "fixed", "stop_rule", "cost")
@@ -57,6 +56,22 @@ def run_round(engine, prompts, n, workload, tag):
     return sum(counts), time.perf_counter() - t_start[0]
 
 
+def _cell(res, health, rows_out, b) -> dict:
+    cell = {"speculation": health.get("speculation"), "acceptance_by_depth": health.get("acceptance_by_depth")}
+    for m in MODES:
+        ratio = res[m].tokens_per_s / res["target"].tokens_per_s
+        lo, hi = ratio_interval(res[m], res["target"], "tokens_per_s") if m != "target" else (1.0, 1.0)
+        cell[m] = {"tok_s": res[m].tokens_per_s, "ratio": ratio, "interval_90": [lo, hi],
+                   "round_tokens": res[m].prompt_tokens, "round_s": res[m].prompt_decode_s}
+        rows_out.append((b, m, f"{res[m].tokens_per_s:.2f}", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"))
+    for other in ("fixed", "stop_rule"):
+        lo, hi = ratio_interval(res["cost"], res[other], "tokens_per_s")
+        ratio = res["cost"].tokens_per_s / res[other].tokens_per_s
+        cell[f"cost_over_{other}"] = {"ratio": ratio, "interval_90": [lo, hi]}
+        rows_out.append((b, f"cost / {other}", "", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"))
+    return cell
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="chat")
@@ -76,26 +91,23 @@ def main() -> int:
     held = workloads.load_workload(args.workload, "heldout", args.rounds * max(batches), seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
     common = dict(target_model_id=cfg.model.model_id, draft_len=args.gamma, max_seq_len=args.max_seq_len, eos_ids=())
-    # one profile for every cost engine: the first one (at the largest batch) measures it at its
-    # start-up, the others get that model and keep it current from their own steps
+    # one engine per mode with room for the largest batch, serving B concurrent requests at each
+    # concurrency: the cost engine measures its step cost at start-up and keeps its running
+    # acceptance across concurrencies, as a serving engine whose load changes does
     t0 = time.perf_counter()
-    cost = StepCostModel(max(batches), args.gamma)
-    ReferenceEngine(target, tok, drafter, "static", **common, max_batch_size=max(batches), scheduler="cost",
-                    cost_model=cost).close()
+    size = dict(common, max_batch_size=max(batches))
+    engines = {
+        "target": ReferenceEngine(target, tok, None, "none", **size),
+        "fixed": ReferenceEngine(target, tok, drafter, "static", **size, scheduler="fixed"),
+        "stop_rule": ReferenceEngine(target, tok, drafter, "static", **size, scheduler="stop_rule",
+                                     draft_stop_prob=cfg.spec.draft_stop_prob),
+        "cost": ReferenceEngine(target, tok, drafter, "static", **size, scheduler="cost"),
+    }
     profile_s = time.perf_counter() - t0
-    results, rows_out = {}, [("B", "mode", "tok/s", "x target-only", "90% interval")]
-    for b in batches:
-        engines = {
-            "target": ReferenceEngine(target, tok, None, "none", **common, max_batch_size=b),
-            "fixed": ReferenceEngine(target, tok, drafter, "static", **common, max_batch_size=b,
-                                     scheduler="fixed"),
-            "stop_rule": ReferenceEngine(target, tok, drafter, "static", **common, max_batch_size=b,
-                                         scheduler="stop_rule", draft_stop_prob=cfg.spec.draft_stop_prob),
-            "cost": ReferenceEngine(target, tok, drafter, "static", **common, max_batch_size=b,
-                                    scheduler="cost", cost_model=cost),
-        }
-        res = {m: ModeResult() for m in MODES}
-        try:
+    results, rows_out, health = {}, [("B", "mode", "tok/s", "x target-only", "90% interval")], {}
+    try:
+        for b in batches:
+            res = {m: ModeResult() for m in MODES}
             for r in range(args.rounds):
                 group = prompts[r * b:(r + 1) * b]
                 order = MODES[r % 4:] + MODES[:r % 4]
@@ -103,30 +115,17 @@ def main() -> int:
                     n, s = run_round(engines[m], group, args.max_new_tokens, args.workload, f"{m}{b}r{r}")
                     res[m].add(tokens=n, decode_s=s, forwards=0, committed=0)
             health = engines["cost"].health()
-        finally:
-            for e in engines.values():
-                e.close()
-        cell = {"speculation": health.get("speculation"), "acceptance_by_depth": health.get("acceptance_by_depth")}
-        for m in MODES:
-            ratio = res[m].tokens_per_s / res["target"].tokens_per_s
-            lo, hi = ratio_interval(res[m], res["target"], "tokens_per_s") if m != "target" else (1.0, 1.0)
-            cell[m] = {"tok_s": res[m].tokens_per_s, "ratio": ratio, "interval_90": [lo, hi],
-                       "round_tokens": res[m].prompt_tokens, "round_s": res[m].prompt_decode_s}
-            rows_out.append((b, m, f"{res[m].tokens_per_s:.2f}", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"))
-        for other in ("fixed", "stop_rule"):
-            lo, hi = ratio_interval(res["cost"], res[other], "tokens_per_s")
-            cell[f"cost_over_{other}"] = {"ratio": res["cost"].tokens_per_s / res[other].tokens_per_s,
-                                          "interval_90": [lo, hi]}
-            rows_out.append((b, f"cost / {other}", "", f"{cell[f'cost_over_{other}']['ratio']:.3f}",
-                             f"{lo:.3f}-{hi:.3f}"))
-        results[b] = cell
-        print(f"B={b} done: {cell['cost']['ratio']:.3f}x, gate {cell['speculation']}", flush=True)
+            results[b] = _cell(res, health, rows_out, b)
+            print(f"B={b} done: {results[b]['cost']['ratio']:.3f}x, gate {results[b]['speculation']}", flush=True)
+    finally:
+        for e in engines.values():
+            e.close()
     print_table(f"concurrency sweep ({args.workload}, {args.rounds} rounds, {args.max_new_tokens} new tokens, "
-                f"gamma {args.gamma}, cost profile {profile_s:.1f} s)", rows_out)
+                f"gamma {args.gamma}, engines + cost profile {profile_s:.1f} s)", rows_out)
     write_json(args.json, {"workload": args.workload, "rounds": args.rounds, "gamma": args.gamma,
                            "max_new_tokens": args.max_new_tokens, "drafter": str(path),
                            "stop_prob": cfg.spec.draft_stop_prob, "profile_s": profile_s,
-                           "step_cost": cost.table(), "cells": results})
+                           "step_cost": health.get("step_cost"), "cells": results})
     return 0
 
 

@@ -29,15 +29,20 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior
 TRACK_DECAY = 0.02  # weight of one observation in the running rates (~50 recent drafts)
+# drafting must promise this much more tokens/s than target-only: near break-even the estimates'
+# noise (running acceptance, live step timings) decides, and a wrong guess to draft costs a whole
+# verify while a wrong guess not to costs a fraction of a token per row
+MIN_GAIN = 0.03
 
 
 def best_level(expected_per_depth: list[float], n_rows: int, costs_s: list[float]) -> int:
     """The draft depth m (0..len(costs_s)-1) with the most expected tokens per second.
 
     ``expected_per_depth[j-1]`` = sum over rows of P_b(j); ``costs_s[m]`` = seconds of a step with
-    longest draft m. Ties go to the shorter draft (the same tokens for less drafter work).
+    longest draft m. Ties go to the shorter draft (the same tokens for less drafter work); any
+    draft must beat drafting nothing by ``MIN_GAIN``.
     """
-    best_m, best_rate, tokens = 0, n_rows / costs_s[0], float(n_rows)
+    best_m, best_rate, tokens = 0, n_rows / costs_s[0] * (1 + MIN_GAIN), float(n_rows)
     for m in range(1, len(costs_s)):
         tokens += expected_per_depth[m - 1] if m - 1 < len(expected_per_depth) else 0.0
         rate = tokens / costs_s[m]
