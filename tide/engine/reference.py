@@ -333,16 +333,7 @@ class ReferenceEngine(Engine):
         slots = [s for s in slots if s in self._running]
         if not slots:
             return
-        rows = []
-        for s in slots:
-            r = self._running[s]
-            r.row.feed_tokens = torch.tensor(r.hist_tokens[r.row.feed_start + 1: r.row.t_len + 1])
-            if r.refeed or len(r.hist_aux) == 1:  # after prefill or a swap
-                r.row.feed_aux = torch.cat(r.hist_aux)[r.row.feed_start: r.row.t_len]
-                r.refeed = False
-            else:
-                r.row.feed_aux = r.hist_aux[-1]
-            rows.append(r.row)
+        rows = [self._running[s].row for s in slots]
         # don't draft past the context limit
         gamma = min(self.draft_len, min(self._cache_len - 2 - r.t_len for r in rows))
         version = self._version
@@ -351,6 +342,8 @@ class ReferenceEngine(Engine):
         speculate, plan = self._policy.plan(workloads, gamma) if self._drafter is not None and gamma > 0 \
             else (False, None)
         if speculate:
+            for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
+                self._build_feed(self._running[s])
             try:
                 results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
                                                   rows, gamma, self._policy.stop_prob, plan)
@@ -379,6 +372,21 @@ class ReferenceEngine(Engine):
         for s, res in zip(slots, results):
             self._emit(s, res.committed)
         metrics.ENGINE_STEP_SECONDS.observe(time.perf_counter() - t0)
+
+    def _build_feed(self, r: _Running) -> None:
+        row = r.row
+        row.feed_tokens = torch.tensor(r.hist_tokens[row.feed_start + 1: row.t_len + 1])
+        if r.refeed or len(r.hist_aux) == 1:  # after prefill, a swap or target-only steps
+            need, tail = row.t_len - row.feed_start, []
+            for chunk in reversed(r.hist_aux):  # the last ``need`` positions only, not the whole history
+                tail.append(chunk)
+                need -= chunk.shape[0]
+                if need <= 0:
+                    break
+            row.feed_aux = torch.cat(tail[::-1])[-(row.t_len - row.feed_start):]
+            r.refeed = False
+        else:
+            row.feed_aux = r.hist_aux[-1]
 
     def _defer_feed(self, r: _Running) -> None:
         """Keep a row's drafter feed for its next drafted step (refeed from ``feed_start``); past
