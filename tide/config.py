@@ -52,6 +52,23 @@ class SpecConfig:
     # draft draft_len); fewer hopeless drafts make the verify forward cheaper (bench/spec_decode.py)
     draft_stop_prob: float = 0.3
     enabled: bool = True
+    # how long each step drafts (tide/spec/policy.py): fixed = always draft_len; stop_rule = a row
+    # stops below draft_stop_prob; cost = the cost scheduler: drafts only as deep as the expected
+    # accepted tokens pay for the engine's measured step cost under the current batch (so high
+    # concurrency goes target-only), and switches speculation off per workload where the drafter's
+    # live acceptance does not pay. draft_len stays the most it drafts. Lossless in every mode.
+    scheduler: str = "stop_rule"
+    # cost scheduler only: while a workload's speculation is off, every this-many steps of it draft
+    # anyway so its acceptance stays measured (>= 1)
+    gate_probe_steps: int = 64
+
+    def __post_init__(self) -> None:
+        if self.draft_len < 1:
+            raise ConfigError(f"spec.draft_len must be >= 1, got {self.draft_len}")
+        if not 0.0 <= self.draft_stop_prob <= 1.0:
+            raise ConfigError(f"spec.draft_stop_prob must be in [0, 1], got {self.draft_stop_prob}")
+        if self.gate_probe_steps < 1:
+            raise ConfigError(f"spec.gate_probe_steps must be >= 1, got {self.gate_probe_steps}")
 
 
 @dataclass(frozen=True)
@@ -371,7 +388,7 @@ class TideConfig:
 
 # string fields with a closed set of values: anything else is refused when the config is read
 CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16"),
-           "train.backend": ("tide", "specforge")}
+           "train.backend": ("tide", "specforge"), "spec.scheduler": ("fixed", "stop_rule", "cost")}
 
 
 class ConfigError(ValueError):

@@ -38,6 +38,20 @@ ENGINE_SWAP_PAUSE_SECONDS = Histogram(
     "tide_engine_swap_pause_seconds", "Time the decode loop spent applying one drafter swap",
     buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1))
 
+ENGINE_STEP_COST_SECONDS = Gauge(
+    "tide_engine_step_cost_seconds", "The engine's measured step cost (start-up profile, then a running average "
+    "of live steps): kind=verify by rows and tokens fed, kind=draft by rows and draft depth",
+    ["kind", "rows", "tokens"])
+ENGINE_SPEC_ENABLED = Gauge(
+    "tide_engine_speculation_enabled", "1 while the cost scheduler speculates for the workload under the serving "
+    "drafter, 0 while that workload decodes target-only", ["workload", "drafter_version"])
+ENGINE_SPEC_GATE_CHANGES = Counter(
+    "tide_engine_speculation_gate_changes_total", "Speculation switched on or off for a workload, by reason "
+    "(acceptance_pays | acceptance_below_cost | drafter_swapped)", ["workload", "drafter_version", "reason"])
+ENGINE_TARGET_ONLY_STEPS = Counter(
+    "tide_engine_target_only_steps_total", "Decode steps the cost scheduler ran without the drafter, by reason "
+    "(cost: drafting would not pay at this load; gated: every row's workload has speculation off)", ["reason"])
+
 # --- engine HTTP front end (tide/engine/server.py) ----------------------------------------------
 HTTP_REQUESTS = Counter("tide_engine_http_requests_total", "HTTP requests answered, by route and status",
                         ["route", "status"])

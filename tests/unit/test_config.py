@@ -146,3 +146,13 @@ def test_service_flags_override_only_what_the_command_line_sets(tmp_path):
     assert service.flag_overrides(scheduler.parse_args([]), scheduler.FLAGS) == {"ingest": {"data_dir": None}}
     with pytest.raises(SystemExit):  # a typed flag refuses a bad value at the command line
         engine.parse_args(["--port", "eighty"])
+
+
+@pytest.mark.parametrize("spec,match", [({"scheduler": "greedy"}, "not one of"),
+                                        ({"gate_probe_steps": 0}, "gate_probe_steps"),
+                                        ({"draft_stop_prob": 1.5}, "draft_stop_prob"),
+                                        ({"draft_len": 0}, "draft_len")])
+def test_spec_scheduler_keys_are_validated(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(env={}, overrides={"spec": spec})
+    assert load_config(env={}, overrides={"spec": {"scheduler": "cost"}}).spec.scheduler == "cost"

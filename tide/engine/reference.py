@@ -5,7 +5,8 @@ One scheduler thread owns the model state. Each loop iteration:
    request re-feeds its whole history of target states to the new drafter on its next step;
 2. admit waiting requests into free cache slots: prefill each, emit its first token;
 3. run one batched step over all running requests (``speculative_step``, or ``target_step``
-   when no drafter serves or the drafter failed this step), emit the committed tokens;
+   when no drafter serves, the scheduler decides drafting does not pay (tide/spec/policy.py),
+   or the drafter failed this step), emit the committed tokens;
 4. hand the committed positions to the capture sink (enqueue only), update stats/metrics;
 5. finish requests on a stop token, their token budget or the context limit, and free slots.
 Callers get a blocking iterator of TokenEvents; closing it early cancels the request.
@@ -39,8 +40,10 @@ from tide.engine.base import (
 )
 from tide.models.llama import LlamaTarget
 from tide.models.target import eos_ids_of, load_target  # noqa: F401  (re-exported)
+from tide.spec.cost import StepCostModel, profile
 from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step, target_step
 from tide.spec.generate import generate
+from tide.spec.policy import SpecPolicy
 
 log = logging.getLogger(__name__)
 _DONE = object()  # queued by _Events.cancel to wake a reader blocked on the next event
@@ -101,7 +104,8 @@ class ReferenceEngine(Engine):
     def __init__(self, target: LlamaTarget, tokenizer, drafter: Eagle3Drafter | None, drafter_version: str,
                  *, target_model_id: str, draft_len: int = 4, draft_stop_prob: float = 0.0,
                  max_batch_size: int = 8, max_seq_len: int = 1024, eos_ids: tuple[int, ...] = (),
-                 refeed_positions: int = 32):
+                 refeed_positions: int = 32, scheduler: str = "stop_rule", cost_model: StepCostModel | None = None,
+                 gate_probe_steps: int = 64, profile_context: int = 128):
         self.target = target
         self.tokenizer = tokenizer
         self.target_model_id = target_model_id
@@ -129,6 +133,13 @@ class ReferenceEngine(Engine):
         self._stop = threading.Event()
         self._last_swap_pause_s = 0.0
         self.refeed_positions = refeed_positions
+        if scheduler == "cost":
+            cost_model = cost_model or StepCostModel(max_batch_size, draft_len)
+            if not cost_model.measured():  # before the decode thread: the caches are not in use yet
+                profile(target, drafter, self._tcache, self._dcache, cost_model,
+                        min(profile_context, max_seq_len - draft_len - 2))
+        self._policy = SpecPolicy(scheduler, draft_len, draft_stop_prob, cost_model, gate_probe_steps)
+        self._policy.drafter_changed(self._version)
         self._thread = threading.Thread(target=self._loop, name="tide-engine", daemon=True)
         self._thread.start()
         metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
@@ -202,7 +213,7 @@ class ReferenceEngine(Engine):
     def health(self) -> dict:
         return {"drafter_version": self._version, "running": len(self._running),
                 "waiting": self._inbox.qsize(), "target_model_id": self.target_model_id,
-                "last_swap_pause_s": self._last_swap_pause_s}
+                "last_swap_pause_s": self._last_swap_pause_s, **self._policy.view()}
 
     def close(self) -> None:
         self._stop.set()
@@ -245,6 +256,7 @@ class ReferenceEngine(Engine):
         self._drafter = drafter
         self._dcache = drafter.new_cache(self.max_batch_size, self._cache_len) if drafter is not None else None
         self._version = version if drafter is not None else "none"
+        self._policy.drafter_changed(self._version)
         for r in self._running.values():
             # the new drafter has seen nothing: feed it the recent history only, so the step
             # after a swap costs about one normal step; it attends from there on (lossless either way)
@@ -321,36 +333,38 @@ class ReferenceEngine(Engine):
         slots = [s for s in slots if s in self._running]
         if not slots:
             return
-        rows = []
-        for s in slots:
-            r = self._running[s]
-            r.row.feed_tokens = torch.tensor(r.hist_tokens[r.row.feed_start + 1: r.row.t_len + 1])
-            if r.refeed or len(r.hist_aux) == 1:  # after prefill or a swap
-                r.row.feed_aux = torch.cat(r.hist_aux)[r.row.feed_start: r.row.t_len]
-                r.refeed = False
-            else:
-                r.row.feed_aux = r.hist_aux[-1]
-            rows.append(r.row)
+        rows = [self._running[s].row for s in slots]
         # don't draft past the context limit
         gamma = min(self.draft_len, min(self._cache_len - 2 - r.t_len for r in rows))
         version = self._version
         results, stats = None, None
-        if self._drafter is not None and gamma > 0:
+        workloads = [self._running[s].req.workload for s in slots]
+        speculate, plan = self._policy.plan(workloads, gamma) if self._drafter is not None and gamma > 0 \
+            else (False, None)
+        if speculate:
+            for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
+                self._build_feed(self._running[s])
             try:
                 results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
-                                                  rows, gamma, self.draft_stop_prob)
+                                                  rows, gamma, self._policy.stop_prob, plan)
+                self._policy.observe_spec_step(workloads, stats, plan)
             except Exception:
                 log.exception("drafter step failed; this step runs target-only")
                 metrics.ENGINE_DRAFTER_FAILURES.inc()
         if results is None:
+            t_target = time.perf_counter()
             results = target_step(self.target, self._tcache, rows)
+            self._policy.observe_target_step(len(rows), time.perf_counter() - t_target)
         for s, res in zip(slots, results):
             r = self._running[s]
             cap = StepCapture(r.meta, r.row.t_len, res.fed_tokens, res.aux_hidden, res.final_hidden,
                               is_prompt=False)
             r.hist_aux.append(res.aux_hidden)
             r.hist_tokens.extend(res.committed)
-            r.row.feed_start = r.row.t_len
+            if stats is None and self._drafter is not None:
+                self._defer_feed(r)  # the drafter did not run: it consumes these positions later
+            else:
+                r.row.feed_start = r.row.t_len
             r.row.t_len += len(res.committed)
             r.row.pending = res.committed[-1]
             self._capture([cap], r)
@@ -358,6 +372,29 @@ class ReferenceEngine(Engine):
         for s, res in zip(slots, results):
             self._emit(s, res.committed)
         metrics.ENGINE_STEP_SECONDS.observe(time.perf_counter() - t0)
+
+    def _build_feed(self, r: _Running) -> None:
+        row = r.row
+        row.feed_tokens = torch.tensor(r.hist_tokens[row.feed_start + 1: row.t_len + 1])
+        if r.refeed or len(r.hist_aux) == 1:  # after prefill, a swap or target-only steps
+            need, tail = row.t_len - row.feed_start, []
+            for chunk in reversed(r.hist_aux):  # the last ``need`` positions only, not the whole history
+                tail.append(chunk)
+                need -= chunk.shape[0]
+                if need <= 0:
+                    break
+            row.feed_aux = torch.cat(tail[::-1])[-(row.t_len - row.feed_start):]
+            r.refeed = False
+        else:
+            row.feed_aux = r.hist_aux[-1]
+
+    def _defer_feed(self, r: _Running) -> None:
+        """Keep a row's drafter feed for its next drafted step (refeed from ``feed_start``); past
+        ``refeed_positions`` of backlog the drafter attends from the recent positions only, as after
+        a swap (lossless either way: drafts are verified)."""
+        r.refeed = True
+        if r.row.t_len + 1 - r.row.feed_start > self.refeed_positions:
+            r.row.feed_start = r.row.drafter_first_pos = r.row.t_len + 1 - self.refeed_positions
 
     def _record(self, version: str, results, stats, n_rows: int) -> None:
         with self._lock:
@@ -449,4 +486,5 @@ def build_engine(cfg) -> ReferenceEngine:
                            draft_len=cfg.spec.draft_len, draft_stop_prob=cfg.spec.draft_stop_prob,
                            max_batch_size=cfg.engine.max_batch_size,
                            max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder),
-                           refeed_positions=cfg.ops.refeed_positions)
+                           refeed_positions=cfg.ops.refeed_positions, scheduler=cfg.spec.scheduler,
+                           gate_probe_steps=cfg.spec.gate_probe_steps)

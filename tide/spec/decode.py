@@ -11,7 +11,9 @@ One step (``speculative_step``):
    d2..dγ. With ``stop_prob`` > 0 a row stops drafting after a token whose draft probability is
    below it (the drafter knows when it is guessing); with a calibrated confidence head on the
    drafter, a greedy row stops once the chain's survival probability drops below it instead;
-   the step stops when every row has stopped;
+   the step stops when every row has stopped. With a planner (the cost scheduler,
+   tide/spec/schedule.py) the planner decides after each depth whether drafting on pays and how
+   many drafts to keep; the drafts are truncated to that (possibly zero) before verification;
 2. verify: one target forward over ``[pending, d1..dk]`` at positions ``t_len..t_len+k`` (k = the
    longest row's draft; a shorter row's tail is padding that is never accepted). On CPU a verify
    costs more per token fed, so not feeding drafts that would be rejected is most of the point;
@@ -24,7 +26,9 @@ One step (``speculative_step``):
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +67,9 @@ class StepStats:
     accepted: list[int] = field(default_factory=list)  # per row
     position_accepts: list[int] = field(default_factory=list)  # [gamma]: rows accepting draft i
     drafted: list[int] = field(default_factory=list)  # per row: tokens drafted (<= gamma)
+    draft_depth: int = 0  # depths the drafter ran (its cost), >= the longest kept draft
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     @property
     def tokens_per_forward(self) -> float:
@@ -86,13 +93,26 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return probs
 
 
+class Planner(Protocol):
+    """Decides a step's draft length while drafting (tide.spec.schedule.StepPlan)."""
+
+    caps: list[int]  # the most drafts row b may keep
+    drafted: int  # set by draft(): the depths the drafter ran
+
+    def after_depth(self, depth: int, raw: list[float | None]) -> int:
+        """``depth`` drafts done, ``raw[b]`` row b's live chain survival (None: no live signal);
+        returns the drafts to keep (drafting goes on while it exceeds ``depth``)."""
+
+
 def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: list[RowInput],
-          gamma: int, stop_prob: float = 0.0) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
+          gamma: int, stop_prob: float = 0.0,
+          planner: Planner | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
     """Propose up to ``gamma`` target-vocab tokens per row.
 
     Returns ([B, k] ids, per-row q probs [k, V] or None, per-row draft lengths); k <= γ is the
     longest row's length. A row stops after a draft whose probability is below ``stop_prob``
-    (at the row's temperature, 1 for greedy rows); every row drafts at least one token.
+    (at the row's temperature, 1 for greedy rows); every row drafts at least one token, unless a
+    ``planner`` truncates the drafts (to zero, possibly).
     """
     bsz = len(rows)
     m = max(r.feed_tokens.numel() for r in rows)
@@ -121,11 +141,11 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
         h = h[torch.arange(bsz), last][:, None]  # [B, 1, H]
         pos = positions[torch.arange(bsz), last][:, None]
         fed = tokens[torch.arange(bsz), last]  # [B] the token each row's next draft follows
-        chain = torch.ones(bsz)
+        chain, raw_prod, keep = torch.ones(bsz), torch.ones(bsz), gamma
         for i in range(gamma):
             logits = drafter.logits(h)[:, 0].float()  # [B, draft_vocab]
             top_prob = None
-            if stop_prob > 0 and any(r.temperature <= 0 for r in rows):
+            if (stop_prob > 0 or planner is not None) and any(r.temperature <= 0 for r in rows):
                 top_prob, chain = _greedy_confidence(drafter, embed, h[:, 0], fed, logits, i, chain)
             for b, r in enumerate(rows):
                 if not active[b]:
@@ -145,13 +165,24 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
                 lengths[b] = i + 1
                 active[b] = confidence >= stop_prob
             fed = out_tokens[:, i]
+            if planner is not None:
+                if drafter.confidence is None and top_prob is not None:
+                    raw_prod = raw_prod * torch.tensor(top_prob)
+                live = chain if drafter.confidence is not None else raw_prod
+                keep = planner.after_depth(i + 1, [float(live[b]) if r.temperature <= 0 else None
+                                                   for b, r in enumerate(rows)])
+                if keep <= i + 1:
+                    break
             if i + 1 < gamma and any(active):
                 pos = pos + 1
                 h = drafter.step(F.embedding(out_tokens[:, i:i + 1], embed), h, cache, slots, pos, first)
             elif i + 1 < gamma:
                 break
+    if planner is not None:
+        planner.drafted = max(lengths)  # the depths the drafter ran: its cost
+        lengths = [min(n, keep, cap) for n, cap in zip(lengths, planner.caps)]
     k = max(lengths)
-    return out_tokens[:, :k], [torch.stack(q) if q else None for q in q_probs], lengths
+    return out_tokens[:, :k], [torch.stack(q)[:n] if q else None for q, n in zip(q_probs, lengths)], lengths
 
 
 def _greedy_confidence(drafter: Eagle3Drafter, embed: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor,
@@ -204,10 +235,15 @@ def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_toke
 
 def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: KVCache,
                      drafter_cache: KVCache, rows: list[RowInput], gamma: int,
-                     stop_prob: float = 0.0) -> tuple[list[RowResult], StepStats]:
-    draft_tokens, q_probs, lengths = draft(drafter, target.embed_weight, drafter_cache, rows, gamma, stop_prob)
+                     stop_prob: float = 0.0, planner: Planner | None = None) -> tuple[list[RowResult], StepStats]:
+    t0 = time.perf_counter()
+    draft_tokens, q_probs, lengths = draft(drafter, target.embed_weight, drafter_cache, rows, gamma, stop_prob,
+                                           planner)
+    t1 = time.perf_counter()
     fed, out = verify(target, target_cache, rows, draft_tokens)
-    stats = StepStats(gamma=gamma, position_accepts=[0] * gamma, drafted=lengths)
+    stats = StepStats(gamma=gamma, position_accepts=[0] * gamma, drafted=lengths,
+                      draft_depth=planner.drafted if planner is not None else max(lengths),
+                      draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
     results = []
     for b, r in enumerate(rows):
         k = lengths[b]

@@ -128,3 +128,73 @@ def test_sampled_generation_distribution_matches_target_only(tiny_target, tiny_d
              [plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)]]
     assert len(common) >= 2, (spec, plain)
     assert chi2_contingency(table).pvalue > 1e-3, table
+
+
+def _cost_engine(tiny_target, tiny_drafter, **kw):
+    from costs import linear_cost  # beside this file (pytest puts the folder on sys.path)
+
+    from tide.engine.reference import ReferenceEngine
+
+    # cheap verify tokens: the scheduler drafts, truncates on the live signal, and gates and probes
+    return ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_len=4,
+                           max_batch_size=4, max_seq_len=200, scheduler="cost", gate_probe_steps=3,
+                           cost_model=linear_cost(4, 4, per_token_s=0.04, draft_per_depth_s=0.02), **kw)
+
+
+def _submit_all(engine, requests):
+    import threading
+
+    outs = {}
+
+    def one(req):
+        outs[req.request_id] = [t for ev in engine.submit(req) for t in ev.token_ids]
+    threads = [threading.Thread(target=one, args=(r,)) for r in requests]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    return [outs[r.request_id] for r in requests]
+
+
+def test_greedy_identical_to_target_only_with_the_cost_scheduler(tiny_target, tiny_drafter):
+    from tide.engine.base import GenerationRequest, SamplingParams
+
+    prompts = _prompts(tiny_target.shape.vocab_size, 10, seed=11)
+    engine = _cost_engine(tiny_target, tiny_drafter)
+    try:
+        reqs = [GenerationRequest(f"g{i}", tuple(p), SamplingParams(max_new_tokens=40),
+                                  workload="chat" if i % 2 else "code") for i, p in enumerate(prompts)]
+        outs = _submit_all(engine, reqs)
+        drafted = engine.stats()
+    finally:
+        engine.close()
+    for p, out in zip(prompts, outs):
+        assert out == generate(tiny_target, None, p, 40)[0]
+    assert drafted.acceptance["v1"][0] > 0
+
+
+def test_sampled_distribution_matches_target_only_with_the_cost_scheduler(tiny_target, tiny_drafter):
+    """The 2nd generated token of many seeded requests through the engine with the cost scheduler
+    (truncated drafts, rejection sampling) against target-only sampling (two-sample chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    from tide.engine.base import GenerationRequest, SamplingParams
+
+    prompt, n = (5, 17, 33, 2, 9), 600
+    engine = _cost_engine(tiny_target, tiny_drafter)
+    try:
+        reqs = [GenerationRequest(f"s{seed}", prompt, SamplingParams(max_new_tokens=2, temperature=0.4, seed=seed))
+                for seed in range(n)]
+        spec_outs = []
+        for i in range(0, n, 40):
+            spec_outs += _submit_all(engine, reqs[i:i + 40])
+    finally:
+        engine.close()
+    spec, plain = {}, {}
+    for seed, a in enumerate(spec_outs):
+        b, _ = generate(tiny_target, None, list(prompt), 2, temperature=0.4, seed=10_000 + seed)
+        spec[a[1]] = spec.get(a[1], 0) + 1
+        plain[b[1]] = plain.get(b[1], 0) + 1
+    common = [k for k in set(spec) | set(plain) if spec.get(k, 0) + plain.get(k, 0) >= 20]
+    table = [[spec.get(k, 0) for k in common] + [n - sum(spec.get(k, 0) for k in common)],
+             [plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)]]
+    assert len(common) >= 2, (spec, plain)
+    assert chi2_contingency(table).pvalue > 1e-3, table

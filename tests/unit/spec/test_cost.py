@@ -1,0 +1,63 @@
+"""The step cost model: measured cells, nearest-cell fallback, live running average, the profile."""
+import math
+
+import pytest
+from prometheus_client import REGISTRY
+
+from tide.spec.cost import StepCostModel, profile
+
+
+def test_unmeasured_shapes_take_the_nearest_measured_cell_never_a_smaller_one_first():
+    cost = StepCostModel(max_rows=4, max_depth=3)
+    cost.observe_verify(1, 1, 0.05, live=False)
+    cost.observe_verify(4, 4, 0.40, live=False)
+    assert cost.verify_s(1, 1) == 0.05
+    assert cost.verify_s(4, 3) == 0.40  # one cell from (4, 4), three from (1, 1)
+    assert cost.verify_s(9, 9) == 0.40  # clamped to the largest shape the engine runs
+
+
+def test_live_steps_move_a_cell_by_the_running_average_weight():
+    cost = StepCostModel(max_rows=2, max_depth=2, ewma=0.25)
+    cost.observe_verify(2, 3, 1.0, live=False)
+    cost.observe_verify(2, 3, 2.0)
+    assert cost.verify_s(2, 3) == pytest.approx(1.25)
+    cost.observe_verify(2, 3, -1.0)  # a nonsense timing is ignored
+    assert cost.verify_s(2, 3) == pytest.approx(1.25)
+
+
+def test_step_costs_count_drafter_time_already_spent():
+    cost = StepCostModel(max_rows=1, max_depth=3)
+    for q in range(1, 5):
+        cost.observe_verify(1, q, 1.0 + 0.1 * (q - 1), live=False)
+    for d in range(1, 4):
+        cost.observe_draft(1, d, 0.2 * d, live=False)
+    assert cost.step_costs(1, 3) == pytest.approx([1.0, 1.3, 1.6, 1.9])
+    # two depths drafted: stopping at 0 or 1 still pays for both of them
+    assert cost.step_costs(1, 3, drafted=2) == pytest.approx([1.4, 1.5, 1.6, 1.9])
+
+
+def test_no_drafter_profiled_means_free_drafting_until_measured():
+    cost = StepCostModel(max_rows=2, max_depth=2)
+    cost.observe_verify(1, 1, 0.1, live=False)
+    assert cost.draft_s(2, 2) == 0.0
+    cost.observe_draft(2, 2, 0.03)
+    assert cost.draft_s(1, 1) == 0.03
+
+
+def test_empty_model_refuses_to_guess():
+    with pytest.raises(RuntimeError, match="profile"):
+        StepCostModel(max_rows=1, max_depth=1).verify_s(1, 1)
+
+
+def test_profile_measures_every_shape_and_exports_it(tiny_target, tiny_drafter):
+    from tide.drafter.model import for_serving
+
+    drafter = for_serving(tiny_drafter)
+    cost = StepCostModel(max_rows=3, max_depth=2)
+    profile(tiny_target, drafter, tiny_target.new_cache(3, 64), drafter.new_cache(3, 64), cost, context_len=20,
+            reps=1)
+    table = cost.table()
+    assert all(v > 0 and math.isfinite(v) for row in table["verify_ms"].values() for v in row)
+    assert all(v > 0 for row in table["draft_ms"].values() for v in row)
+    got = REGISTRY.get_sample_value("tide_engine_step_cost_seconds", {"kind": "verify", "rows": "3", "tokens": "3"})
+    assert got == pytest.approx(cost.verify_s(3, 3))

@@ -1,0 +1,104 @@
+"""The cost scheduler inside the reference engine: target-only steps when drafting cannot pay, the
+workload gate off on a drafter that does not pay and back on after a swap, health and metrics."""
+import threading
+
+import pytest
+import torch
+from costs import linear_cost
+from prometheus_client import REGISTRY
+
+import tide.engine.reference as reference
+from tide.engine.base import GenerationRequest, SamplingParams
+from tide.engine.reference import ReferenceEngine
+from tide.spec.generate import generate
+from tide.spec.policy import SpecPolicy
+
+
+def _prompts(vocab, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(4, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _run(engine, prompts, n, workload):
+    outs = {}
+
+    def one(i, p):
+        req = GenerationRequest(f"{workload}{i}", tuple(p), SamplingParams(max_new_tokens=n), workload=workload)
+        outs[i] = [t for ev in engine.submit(req) for t in ev.token_ids]
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    return [outs[i] for i in range(len(prompts))]
+
+
+def test_policy_refuses_an_unknown_scheduler_and_a_cost_scheduler_without_costs():
+    with pytest.raises(ValueError, match="scheduler"):
+        SpecPolicy("always", 4, 0.3)
+    with pytest.raises(ValueError, match="cost model"):
+        SpecPolicy("cost", 4, 0.3)
+
+
+def test_no_drafter_forward_when_verify_cost_exceeds_any_gain(tiny_target, tiny_drafter, monkeypatch):
+    calls = []
+    real = reference.speculative_step
+    monkeypatch.setattr(reference, "speculative_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # every draft token doubles the step: even certain acceptance (< 1 token each) cannot pay
+    steep = linear_cost(4, 3, per_token_s=2.0, draft_per_depth_s=0.5)
+    engine = ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_len=3,
+                             max_batch_size=4, max_seq_len=200, scheduler="cost", cost_model=steep)
+    try:
+        before = REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"}) or 0
+        ps = _prompts(tiny_target.shape.vocab_size, 4, seed=3)
+        outs = _run(engine, ps, 20, "chat")
+    finally:
+        engine.close()
+    assert calls == []
+    for p, out in zip(ps, outs):
+        assert out == generate(tiny_target, None, p, 20)[0]
+    after = REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"})
+    assert after - before >= 19  # every decode step of the 20 tokens but the prefill's
+
+
+def test_gate_turns_a_workload_off_then_a_swap_turns_it_back_on(tiny_target, tiny_drafter):
+    from tide.train.offline import new_drafter
+
+    # one row at a time: a draft pays above ~0.2 acceptance (the prior's 0.6 does, so the engine
+    # drafts and measures); the tiny random drafter is far below
+    costs = linear_cost(1, 3, per_token_s=0.2, draft_per_depth_s=0.01)
+    engine = ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_len=3,
+                             max_batch_size=1, max_seq_len=200, scheduler="cost", cost_model=costs,
+                             gate_probe_steps=4)
+    try:
+        ps = _prompts(tiny_target.shape.vocab_size, 6, seed=5)
+        outs = _run(engine, ps, 40, "code")
+        view = engine.health()
+        assert view["speculation"]["code"] == {"on": False, "reason": "acceptance_below_cost"}
+        assert REGISTRY.get_sample_value("tide_engine_speculation_enabled",
+                                         {"workload": "code", "drafter_version": "v1"}) == 0
+        engine.swap_drafter(new_drafter(tiny_target, 200, torch.arange(512), seed=5).eval(), "v2")
+        more = _run(engine, ps[:1], 2, "code")  # a step applies the swap
+        view = engine.health()
+        assert view["drafter_version"] == "v2"
+        assert view["speculation"]["code"] == {"on": True, "reason": "drafter_swapped"}
+        assert REGISTRY.get_sample_value("tide_engine_speculation_enabled",
+                                         {"workload": "code", "drafter_version": "v2"}) == 1
+        assert REGISTRY.get_sample_value("tide_engine_speculation_gate_changes_total",
+                                         {"workload": "code", "drafter_version": "v2",
+                                          "reason": "drafter_swapped"}) >= 1
+    finally:
+        engine.close()
+    for p, out in zip(ps, outs):  # probes and deferred drafter feeds kept the output lossless
+        assert out == generate(tiny_target, None, p, 40)[0]
+    assert more[0] == generate(tiny_target, None, ps[0], 2)[0]
+
+
+def test_engine_profiles_its_own_step_cost_at_start_up(tiny_target, tiny_drafter):
+    engine = ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_len=2,
+                             max_batch_size=2, max_seq_len=100, scheduler="cost", profile_context=16)
+    try:
+        cost = engine.health()["step_cost"]
+    finally:
+        engine.close()
+    assert sorted(cost["verify_ms"]) == [1, 2] and all(len(v) == 3 for v in cost["verify_ms"].values())
+    assert all(v > 0 for v in cost["draft_ms"][2])

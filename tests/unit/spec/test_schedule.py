@@ -1,0 +1,96 @@
+"""The cost scheduler's decisions: best level, live truncation, running acceptance, the workload gate."""
+import pytest
+
+from tide.spec.schedule import AcceptanceTracker, StepPlan, WorkloadGate, best_level
+
+
+def test_best_level_looks_past_a_level_that_does_not_pay_alone():
+    # one row, 0.4 survival at depths 1 and 2; depth 1 costs 0.5 s more, depth 2 only 0.1 s on top
+    assert best_level([0.4, 0.4], 1, [1.0, 1.5, 1.6]) == 2  # 1.8 tok / 1.6 s beats 1 tok / 1 s
+    assert best_level([0.4, 0.1], 1, [1.0, 1.5, 1.6]) == 0  # 1.5 / 1.6 < 1
+
+
+def test_best_level_adds_depths_whose_summed_rows_pay_and_stops_where_they_do_not():
+    costs = [1.0, 1.2, 1.4, 1.6, 1.8]
+    # four rows: depth j is worth sum_b P_b(j) tokens for 0.2 s more
+    assert best_level([3.6, 3.0, 0.2, 0.1], 4, costs) == 2
+    assert best_level([0.1, 0.05, 0.0, 0.0], 4, costs) == 0  # the same drafts for one row's worth: none
+    assert best_level([0.0] * 4, 4, [1.0] * 5) == 0  # free but worthless: the shorter draft
+
+
+def _tracker(rates):
+    t = AcceptanceTracker(len(rates))
+    t.cond = [[r * 1000, 1000.0] for r in rates]
+    return t
+
+
+def test_plan_drafts_nothing_before_drafting_when_running_acceptance_does_not_pay():
+    plan = StepPlan([_tracker([0.3, 0.3])] * 4, [2] * 4, lambda d: [1.0, 1.6, 2.2], 2)
+    assert plan.initial_level() == 0
+    cheap = StepPlan([_tracker([0.3, 0.3])] * 4, [2] * 4, lambda d: [1.0, 1.1, 1.2], 2)
+    assert cheap.initial_level() == 1  # depth 2 adds 4 x 0.09 tokens for 0.1 s: below 4.7 tok/s
+
+
+def test_plan_truncates_on_low_live_survival_and_goes_on_on_high():
+    costs = lambda drafted: [1.0 + 0.05 * max(0, drafted), 1.2, 1.4, 1.6]  # noqa: E731
+    low = StepPlan([_tracker([0.8] * 3)], [3], costs, 3)
+    assert low.initial_level() == 3
+    assert low.after_depth(1, [0.05]) == 0  # the live signal overrides the running rate: keep none
+    high = StepPlan([_tracker([0.8] * 3)], [3], costs, 3)
+    high.initial_level()
+    assert high.after_depth(1, [0.95]) == 3
+
+
+def test_gated_rows_add_no_expected_tokens():
+    costs = lambda drafted: [1.0, 1.5, 2.0]  # noqa: E731
+    rows = [_tracker([0.9, 0.9]), _tracker([0.9, 0.9])]
+    assert StepPlan(rows, [2, 2], costs, 2).initial_level() == 2  # 5.42 tok / 2 s > 2 tok / 1 s
+    # the second row's workload gated off: the first row's 3.71 tok / 2 s (or 2.9 / 1.5) do not pay
+    assert StepPlan(rows, [2, 0], costs, 2).initial_level() == 0
+
+
+def test_a_probe_verifies_at_least_one_draft_even_when_it_does_not_pay():
+    plan = StepPlan([_tracker([0.1, 0.1])], [2], lambda d: [1.0, 2.0, 3.0], 2, min_level=1)
+    assert plan.initial_level() == 1
+
+
+def test_tracker_counts_a_depth_as_a_trial_only_after_the_depth_before_survived():
+    t = AcceptanceTracker(3)
+    before = [list(c) for c in t.cond]
+    t.observe(drafted=3, accepted=1, raw_chain=[0.9, 0.5, 0.2])
+    keep = 0.98
+    assert t.cond[0] == pytest.approx([before[0][0] * keep + 1, before[0][1] * keep + 1])  # accepted
+    assert t.cond[1] == pytest.approx([before[1][0] * keep, before[1][1] * keep + 1])  # rejected
+    assert t.cond[2] == pytest.approx(before[2])  # never reached
+    # calibration: observed accepts against predicted survival, at every drafted depth
+    assert t.calib[1] == pytest.approx([4.0 * keep, 4.0 * keep + 0.5])
+
+
+def test_tracker_calibration_scales_an_overconfident_signal_down():
+    t = AcceptanceTracker(1)
+    for _ in range(300):
+        t.observe(1, 0, [0.9])  # predicted 0.9, never accepted
+    assert t.calibrate(1, 0.9) < 0.05
+    assert t.survival()[0] < 0.05
+
+
+def test_gate_switches_a_workload_off_probes_it_and_resets_on_a_new_drafter():
+    gate = WorkloadGate(probe_steps=3, min_drafts=4)
+    solo = [1.0, 1.3, 1.6]  # one row: a draft pays above 0.3 survival
+    bad = _tracker([0.1, 0.1])
+    assert gate.decide("code", bad, solo) == (True, False, None)  # too few drafts seen to judge
+    bad.drafts_seen = 4
+    assert gate.decide("code", bad, solo) == (False, False, "acceptance_below_cost")
+    assert gate.decide("code", bad, solo)[:2] == (False, False)
+    assert gate.decide("code", bad, solo)[:2] == (False, True)  # every 3rd step of the workload
+    good = _tracker([0.8, 0.8])
+    good.drafts_seen = 4
+    assert gate.decide("chat", good, solo) == (True, False, None)
+    assert gate.reset("drafter_swapped") == [("code", True, "drafter_swapped")]
+    assert gate.state["code"]["on"] and gate.state["code"]["reason"] == "drafter_swapped"
+    assert gate.decide("code", good, solo) == (True, False, None)
+
+
+def test_gate_refuses_a_zero_probe_interval():
+    with pytest.raises(ValueError, match="gate_probe_steps"):
+        WorkloadGate(0)

@@ -1,0 +1,135 @@
+"""The engine's own step cost: seconds of a verify forward by (batch rows, query tokens) and of
+drafting by (batch rows, draft depth), measured at start-up and kept current from live steps.
+
+Why measure instead of assuming a curve: on CPU the row kernel's cost grows with rows x tokens
+once past its one-pass limit, so a verify of 4 rows x 5 tokens can cost several target-only steps
+while 1 row x 5 tokens costs little more than one. The scheduler (tide/spec/schedule.py) decides
+from these figures, so each cell is a measurement of that shape, never an extrapolation from
+another batch size. Cells the profile did not measure take the nearest measured cell's value
+until a live step of that shape lands.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from tide import metrics
+
+# weight of one live observation: ~20 steps of a shape replace its start-up figure, while one
+# slow step (another process on the core) moves it by a tenth only
+LIVE_EWMA = 0.1
+
+
+class StepCostModel:
+    """verify_s[rows][tokens] (tokens = pending + drafts, >= 1) and draft_s[rows][depth] (depth >= 1)."""
+
+    def __init__(self, max_rows: int, max_depth: int, ewma: float = LIVE_EWMA) -> None:
+        if not 0.0 <= ewma <= 1.0:  # 0: a pinned model that live steps never move (tests, a fixed profile)
+            raise ValueError(f"cost ewma must be in [0, 1], got {ewma}")
+        self.max_rows, self.max_depth, self.ewma = max_rows, max_depth, ewma
+        self._verify = [[math.nan] * (max_depth + 2) for _ in range(max_rows + 1)]
+        self._draft = [[math.nan] * (max_depth + 1) for _ in range(max_rows + 1)]
+
+    # --- observations -----------------------------------------------------------------------
+    def observe_verify(self, rows: int, tokens: int, seconds: float, live: bool = True) -> None:
+        self._observe(self._verify, "verify", rows, tokens, seconds, live)
+
+    def observe_draft(self, rows: int, depth: int, seconds: float, live: bool = True) -> None:
+        if depth >= 1:
+            self._observe(self._draft, "draft", rows, depth, seconds, live)
+
+    def _observe(self, table, kind: str, rows: int, n: int, seconds: float, live: bool) -> None:
+        if not (1 <= rows <= self.max_rows and 0 <= n < len(table[rows])) or not seconds > 0:
+            return
+        old = table[rows][n]
+        table[rows][n] = seconds if math.isnan(old) or not live else old + self.ewma * (seconds - old)
+        metrics.ENGINE_STEP_COST_SECONDS.labels(kind, str(rows), str(n)).set(table[rows][n])
+
+    # --- figures ----------------------------------------------------------------------------
+    def verify_s(self, rows: int, tokens: int) -> float:
+        return _nearest(self._verify, rows, tokens, lo=1)
+
+    def draft_s(self, rows: int, depth: int) -> float:
+        if depth <= 0 or all(math.isnan(v) for row in self._draft for v in row):
+            return 0.0  # no drafter was profiled (none served at start-up): drafted steps measure it
+        return _nearest(self._draft, rows, depth, lo=1)
+
+    def step_costs(self, rows: int, max_depth: int, drafted: int = 0) -> list[float]:
+        """Seconds of a step whose longest draft is m, for m = 0..max_depth, when ``drafted`` depths
+        are drafted already (their drafter time is spent whatever m is chosen now)."""
+        return [self.verify_s(rows, 1 + m) + self.draft_s(rows, max(m, drafted)) for m in range(max_depth + 1)]
+
+    def measured(self) -> bool:
+        return not math.isnan(self._verify[1][1])
+
+    def table(self) -> dict:
+        """JSON-ready figures (ms) for health views and bench reports."""
+        return {"verify_ms": {r: [round(self.verify_s(r, t) * 1e3, 2) for t in range(1, self.max_depth + 2)]
+                              for r in range(1, self.max_rows + 1)},
+                "draft_ms": {r: [round(self.draft_s(r, d) * 1e3, 2) for d in range(1, self.max_depth + 1)]
+                             for r in range(1, self.max_rows + 1)}}
+
+
+def _nearest(table, rows: int, n: int, lo: int) -> float:
+    rows = min(max(rows, 1), len(table) - 1)
+    n = min(max(n, lo), len(table[rows]) - 1)
+    if not math.isnan(table[rows][n]):
+        return table[rows][n]
+    # the nearest measured cell, preferring more rows/tokens (never optimistic about a bigger shape)
+    cells = [(abs(r - rows) + abs(t - n), -r, -t, v) for r, row in enumerate(table) for t, v in enumerate(row)
+             if not math.isnan(v)]
+    if not cells:
+        raise RuntimeError("step cost model has no measurement yet: profile it first")
+    return min(cells)[3]
+
+
+def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: int, reps: int = 2) -> None:
+    """Time verify forwards and drafts at every (rows, tokens) the engine can run, on the engine's
+    own caches before any request uses them (the positions written are overwritten by prefills).
+
+    ``context_len`` is the position the timed tokens start at: attention's share of a step grows
+    with it, so it should be a typical decode context. The median of ``reps`` runs after one
+    warm-up run is kept.
+    """
+    from tide.spec.decode import RowInput, draft
+
+    aux_dim = 3 * target.shape.hidden_size
+    for rows in range(1, cost.max_rows + 1):
+        slots = torch.arange(rows)
+        start = torch.full((rows,), context_len)
+        for tokens in range(1, cost.max_depth + 2):
+            fed = torch.zeros(rows, tokens, dtype=torch.long)
+            cost.observe_verify(rows, tokens, _median_s(lambda: target.forward(fed, start, tcache, slots), reps),
+                                live=False)
+        if drafter is None:
+            continue
+        batch = [RowInput(slot=b, t_len=context_len, pending=0, feed_start=context_len - 2,
+                          feed_tokens=torch.zeros(2, dtype=torch.long), feed_aux=torch.zeros(2, aux_dim))
+                 for b in range(rows)]
+        for depth in range(1, cost.max_depth + 1):
+            plan = _FullDepth(rows, depth)  # the scheduler's drafts compute live survival: time that too
+            cost.observe_draft(rows, depth, _median_s(
+                lambda: draft(drafter, target.embed_weight, dcache, batch, depth, planner=plan), reps), live=False)
+
+
+class _FullDepth:
+    """A planner that keeps every draft (for timing a given depth)."""
+
+    def __init__(self, rows: int, depth: int) -> None:
+        self.caps, self.depth, self.drafted = [depth] * rows, depth, 0
+
+    def after_depth(self, depth: int, raw) -> int:
+        return self.depth
+
+
+def _median_s(fn, reps: int) -> float:
+    with torch.inference_mode():
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,113 @@
+"""How much the engine speculates each step: the configured scheduler, its state and its metrics.
+
+``spec.scheduler`` (tide/config.py):
+- ``fixed``: every step drafts ``draft_len`` tokens per row;
+- ``stop_rule``: a row stops drafting below ``draft_stop_prob`` (tide/spec/decode.py), not cost-aware;
+- ``cost``: the cost scheduler (tide/spec/schedule.py) over the engine's measured step cost
+  (tide/spec/cost.py), with speculation switched off per workload where it does not pay
+  (``WorkloadGate``).
+The reference engine owns one ``SpecPolicy`` and touches none of the parts above directly.
+"""
+from __future__ import annotations
+
+from tide import metrics
+from tide.config import CHOICES
+from tide.spec.cost import StepCostModel
+from tide.spec.decode import StepStats
+from tide.spec.schedule import AcceptanceTracker, StepPlan, WorkloadGate
+
+SCHEDULERS = CHOICES["spec.scheduler"]
+DEFAULT_WORKLOAD = "default"  # the tag of requests that carry none
+
+
+class SpecPolicy:
+    def __init__(self, scheduler: str, draft_len: int, stop_prob: float, cost: StepCostModel | None = None,
+                 gate_probe_steps: int = 64) -> None:
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"spec.scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
+        if scheduler == "cost" and cost is None:
+            raise ValueError("the cost scheduler needs a step cost model")
+        self.scheduler, self.draft_len, self.cost = scheduler, draft_len, cost
+        self.stop_prob = stop_prob if scheduler == "stop_rule" else 0.0
+        self.gate = WorkloadGate(gate_probe_steps)
+        self._trackers: dict[str, AcceptanceTracker] = {}
+        self._version = "none"
+
+    # --- per step ---------------------------------------------------------------------------
+    def plan(self, workloads: list[str | None], gamma: int) -> tuple[bool, StepPlan | None]:
+        """(draft this step, planner for the drafter). False = the step runs target-only."""
+        if self.scheduler != "cost":
+            return True, None
+        names = [w or DEFAULT_WORKLOAD for w in workloads]
+        trackers = [self._tracker(w) for w in names]
+        solo = self.cost.step_costs(1, gamma)
+        caps, probing = [], False
+        decided: dict[str, tuple[bool, bool]] = {}
+        for w, t in zip(names, trackers):
+            if w not in decided:
+                on, probe, changed = self.gate.decide(w, t, solo)
+                decided[w] = (on, probe)
+                if changed:
+                    self._gate_metric(w, on, changed)
+            on, probe = decided[w]
+            caps.append(gamma if on or probe else 0)
+            probing |= probe
+        n = len(names)
+        plan = StepPlan(trackers, caps, lambda drafted: self.cost.step_costs(n, gamma, drafted), gamma,
+                        min_level=1 if probing else 0)
+        if not any(caps):
+            metrics.ENGINE_TARGET_ONLY_STEPS.labels("gated").inc()
+            return False, None
+        if plan.initial_level() == 0:
+            metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost").inc()
+            return False, None
+        return True, plan
+
+    def observe_target_step(self, n_rows: int, seconds: float) -> None:
+        if self.cost is not None:
+            self.cost.observe_verify(n_rows, 1, seconds)
+
+    def observe_spec_step(self, workloads: list[str | None], stats: StepStats, plan: StepPlan | None) -> None:
+        if self.cost is not None:
+            n = len(stats.drafted)
+            self.cost.observe_verify(n, 1 + max(stats.drafted), stats.verify_s)
+            self.cost.observe_draft(n, stats.draft_depth, stats.draft_s)
+        if plan is None:
+            return
+        for b, w in enumerate(workloads):
+            self._tracker(w or DEFAULT_WORKLOAD).observe(stats.drafted[b], stats.accepted[b], plan.raw_chain[b],
+                                                         plan.drafted)
+
+    # --- drafter changes and views ----------------------------------------------------------
+    def drafter_changed(self, version: str) -> None:
+        """A new drafter serves: its acceptance is unknown, so every workload speculates again."""
+        old = self._version
+        for w in self.gate.state:
+            metrics.ENGINE_SPEC_ENABLED.labels(w, old).set(0)
+        self._version, self._trackers = version, {}
+        for w, on, reason in self.gate.reset("drafter_swapped"):
+            metrics.ENGINE_SPEC_GATE_CHANGES.labels(w, version, reason).inc()
+        for w in self.gate.state:
+            metrics.ENGINE_SPEC_ENABLED.labels(w, version).set(1)
+
+    def view(self) -> dict:
+        """JSON-ready state for the engine's health view."""
+        # called from other threads while the decode thread updates: iterate over copies
+        out = {"scheduler": self.scheduler,
+               "speculation": {w: {"on": s["on"], "reason": s["reason"]} for w, s in list(self.gate.state.items())},
+               "acceptance_by_depth": {w: [round(a, 3) for a in t.conditional()]
+                                       for w, t in list(self._trackers.items())}}
+        if self.cost is not None and self.cost.measured():
+            out["step_cost"] = self.cost.table()
+        return out
+
+    def _tracker(self, workload: str) -> AcceptanceTracker:
+        t = self._trackers.get(workload)
+        if t is None:
+            t = self._trackers[workload] = AcceptanceTracker(self.draft_len)
+            metrics.ENGINE_SPEC_ENABLED.labels(workload, self._version).set(1)
+        return t
+
+    def _gate_metric(self, workload: str, on: bool, reason: str) -> None:
+        metrics.ENGINE_SPEC_ENABLED.labels(workload, self._version).set(1 if on else 0)
+        metrics.ENGINE_SPEC_GATE_CHANGES.labels(workload, self._version, reason).inc()

@@ -1,0 +1,192 @@
+"""The cost scheduler: how many tokens to draft this step, from expected accepted tokens per second.
+
+A step with longest draft m costs ``verify(B, 1+m) + draft(B, m)`` (tide/spec/cost.py) and commits
+``B + sum_b sum_{j<=m} P_b(j)`` tokens in expectation, where ``P_b(j)`` is the probability that row
+b's draft j survives verification (all of drafts 1..j accepted). The verify forward is one padded
+[B, 1+m] block, so its cost depends on the longest draft only: once one row drafts to depth m the
+other rows' drafts up to m are free. Greedy prefix allocation under that cost therefore raises
+every row's draft one depth at a time, the marginal gain of a depth being the sum of its rows'
+survivals and its marginal cost the step's extra seconds; the level kept is the one with the most
+expected tokens per second over all levels (a staircase in the cost curve can make depth 2 pay
+where depth 1 alone does not, so no level is skipped because the one before it did not pay).
+
+Where ``P_b(j)`` comes from:
+- before drafting, from the workload's running per-depth acceptance (``AcceptanceTracker``):
+  that is what lets a step that would not pay skip the drafter forward entirely;
+- while drafting, each greedy row's live survival: the calibrated confidence head's chain when the
+  drafter has one, else the product of the drafter's top probabilities scaled per depth by the
+  ratio of observed accepts to predicted ones (raw top probabilities are over-confident); depths
+  not drafted yet extend the live figure with the running acceptance.
+Truncating drafts never changes what is committed (tide/spec/decode.py accepts a prefix of the
+draft), so any decision here is lossless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# before a workload's first verified drafts: optimistic enough that speculation is tried (and
+# measured) at low load, where it pays for any drafter worth serving
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior
+TRACK_DECAY = 0.02  # weight of one observation in the running rates (~50 recent drafts)
+# drafting must promise this much more tokens/s than target-only: near break-even the estimates'
+# noise (running acceptance, live step timings) decides, and a wrong guess to draft costs a whole
+# verify while a wrong guess not to costs a fraction of a token per row
+MIN_GAIN = 0.03
+
+
+def best_level(expected_per_depth: list[float], n_rows: int, costs_s: list[float]) -> int:
+    """The draft depth m (0..len(costs_s)-1) with the most expected tokens per second.
+
+    ``expected_per_depth[j-1]`` = sum over rows of P_b(j); ``costs_s[m]`` = seconds of a step with
+    longest draft m. Ties go to the shorter draft (the same tokens for less drafter work); any
+    draft must beat drafting nothing by ``MIN_GAIN``.
+    """
+    best_m, best_rate, tokens = 0, n_rows / costs_s[0] * (1 + MIN_GAIN), float(n_rows)
+    for m in range(1, len(costs_s)):
+        tokens += expected_per_depth[m - 1] if m - 1 < len(expected_per_depth) else 0.0
+        rate = tokens / costs_s[m]
+        if rate > best_rate * (1 + 1e-9):
+            best_m, best_rate = m, rate
+    return best_m
+
+
+@dataclass
+class AcceptanceTracker:
+    """Running acceptance of one drafter on one workload, per draft depth."""
+
+    depth: int
+    # conditional acceptance: P(draft j accepted | draft j-1 accepted), as (accepts, trials)
+    cond: list[list[float]] = field(default_factory=list)
+    # live-survival calibration: (observed accepts, predicted survival) per depth
+    calib: list[list[float]] = field(default_factory=list)
+    drafts_seen: int = 0
+
+    def __post_init__(self) -> None:
+        self.cond = [[PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(self.depth)]
+        self.calib = [[PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(self.depth)]
+
+    def conditional(self) -> list[float]:
+        return [a / t for a, t in self.cond]
+
+    def survival(self) -> list[float]:
+        """P(draft j survives) for j = 1..depth from the running rates alone."""
+        out, p = [], 1.0
+        for a in self.conditional():
+            p *= a
+            out.append(p)
+        return out
+
+    def calibrate(self, depth: int, raw: float) -> float:
+        obs, pred = self.calib[depth - 1]
+        return min(1.0, raw * obs / pred)
+
+    def observe(self, drafted: int, accepted: int, raw_chain: list[float] | None, ran: int = 0) -> None:
+        """One verified row: ``drafted`` tokens kept, the first ``accepted`` of them accepted;
+        ``raw_chain[j-1]`` the live survival predicted for draft j (None for rows without a live
+        signal); ``ran`` the depths the drafter ran (>= drafted).
+
+        A draft the live signal truncated is never verified; where the kept ones all survived, the
+        first truncated depth counts as a trial with its calibrated conditional survival as a soft
+        outcome, so a drafter whose own signal keeps truncating is learnt to be poor (and gated)
+        instead of being run every step at its prior rate."""
+        keep = 1.0 - TRACK_DECAY
+        for j in range(1, min(drafted, self.depth) + 1):
+            if accepted >= j - 1:  # draft j was a trial only if j-1 survived
+                c = self.cond[j - 1]
+                c[0], c[1] = c[0] * keep + (accepted >= j), c[1] * keep + 1.0
+            if raw_chain is not None and j <= len(raw_chain):
+                k = self.calib[j - 1]
+                k[0], k[1] = k[0] * keep + (accepted >= j), k[1] * keep + raw_chain[j - 1]
+        j = drafted + 1
+        if raw_chain is not None and accepted == drafted and j <= min(ran, self.depth, len(raw_chain)):
+            before = self.calibrate(j - 1, raw_chain[j - 2]) if j > 1 else 1.0
+            soft = min(1.0, self.calibrate(j, raw_chain[j - 1]) / before) if before > 0 else 0.0
+            c = self.cond[j - 1]
+            c[0], c[1] = c[0] * keep + soft, c[1] * keep + 1.0
+        self.drafts_seen += ran > 0
+
+
+class StepPlan:
+    """One step's draft-length decisions; handed to ``tide.spec.decode.draft`` as its planner.
+
+    ``trackers[b]`` is row b's workload tracker, ``caps[b]`` the most row b may keep (0 for a
+    workload whose speculation is off), ``cost_at(drafted)`` the step costs by level given the
+    depths already drafted.
+    """
+
+    def __init__(self, trackers: list[AcceptanceTracker], caps: list[int], cost_at, max_depth: int,
+                 min_level: int = 0) -> None:
+        self.trackers, self.caps, self.cost_at, self.max_depth = trackers, caps, cost_at, max_depth
+        self.min_level = min_level  # > 0 for a probe: verify at least this deep to refresh the rates
+        self.prior = [t.survival() for t in trackers]
+        self.cond = [t.conditional() for t in trackers]
+        self.raw_chain: list[list[float] | None] = [None] * len(trackers)
+        self.level = 0
+        self.drafted = 0  # set by draft(): the depths the drafter ran
+
+    def initial_level(self) -> int:
+        """The level planned from running acceptance alone; 0 = no drafter forward this step."""
+        self.level = self._choose(0, self.prior)
+        return self.level
+
+    def after_depth(self, depth: int, raw: list[float | None]) -> int:
+        """``depth`` drafts are done; ``raw[b]`` is row b's live chain survival of draft ``depth``
+        (None: none). Returns the level to keep (the drafter goes on while it exceeds ``depth``)."""
+        expected = []
+        for b, t in enumerate(self.trackers):
+            if raw[b] is not None:
+                chain = self.raw_chain[b] = (self.raw_chain[b] or []) + [raw[b]]
+                live = [t.calibrate(j + 1, v) for j, v in enumerate(chain)]
+            else:
+                live = self.prior[b][:depth]
+            p = live[-1] if live else 1.0
+            for a in self.cond[b][depth:]:
+                p *= a
+                live.append(p)
+            expected.append(live)
+        self.level = self._choose(depth, expected)
+        return self.level
+
+    def _choose(self, drafted: int, survival: list[list[float]]) -> int:
+        sums = [sum(s[j] for b, s in enumerate(survival) if self.caps[b] > j) for j in range(self.max_depth)]
+        level = best_level(sums, len(survival), self.cost_at(drafted))
+        return max(level, min(self.min_level, self.max_depth))
+
+
+class WorkloadGate:
+    """Speculation on/off per workload for the serving drafter.
+
+    Off when the workload's running acceptance does not pay for drafting even for one row alone
+    (the load where speculation pays most); while off its rows decode target-only and every
+    ``probe_steps``-th step of the workload drafts anyway (a probe) so the rates stay current and
+    the gate can switch back on. A new drafter starts with every workload on.
+    """
+
+    # drafted steps before judging: about the prior's weight, so the prior alone never gates
+    def __init__(self, probe_steps: int, min_drafts: int = 4) -> None:
+        if probe_steps < 1:
+            raise ValueError(f"spec.gate_probe_steps must be >= 1, got {probe_steps}")
+        self.probe_steps, self.min_drafts = probe_steps, min_drafts
+        self.state: dict[str, dict] = {}  # workload -> {"on", "reason", "since_probe"}
+
+    def reset(self, reason: str) -> list[tuple[str, bool, str]]:
+        changed = [(w, True, reason) for w, s in self.state.items() if not s["on"]]
+        self.state = {w: {"on": True, "reason": reason, "since_probe": 0} for w in self.state}
+        return changed
+
+    def decide(self, workload: str, tracker: AcceptanceTracker, solo_costs_s: list[float]) -> tuple[bool, bool, str | None]:
+        """(on, probe this step, reason if the state changed)."""
+        s = self.state.setdefault(workload, {"on": True, "reason": "default", "since_probe": 0})
+        changed = None
+        if tracker.drafts_seen >= self.min_drafts:
+            pays = best_level(tracker.survival(), 1, solo_costs_s) > 0
+            if pays != s["on"]:
+                s["on"], s["reason"] = pays, "acceptance_pays" if pays else "acceptance_below_cost"
+                changed = s["reason"]
+        probe = False
+        if not s["on"]:
+            s["since_probe"] += 1
+            if s["since_probe"] >= self.probe_steps:
+                s["since_probe"], probe = 0, True
+        return s["on"], probe, changed
