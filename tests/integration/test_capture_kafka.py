@@ -141,7 +141,7 @@ def test_broker_outage_never_blocks_capture_and_capture_resumes(durable_broker, 
     durable_broker.start_tansu()
     restarted = time.monotonic()
     # the records buffered during the outage go out first; then the buffer has room again
-    wait(lambda: tap.producer.unacked_bytes == 0, 60, what="the outage backlog to settle")
+    wait(lambda: tap.unacked_bytes == 0, 60, what="the outage backlog to settle")
     resumed_s = time.monotonic() - restarted
 
     after_lat: list[float] = []
