@@ -150,3 +150,10 @@ def test_worker_death_is_counted_the_engine_keeps_offering_and_a_new_worker_take
 def test_unknown_storage_dtype_is_refused():
     with pytest.raises(ValueError):
         CaptureTap(CaptureConfig(hidden_dtype="float16"), NO_BROKER)
+
+
+def test_the_worker_process_never_imports_torch():
+    import subprocess
+    import sys
+    code = "import sys, tide.capture.worker; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
