@@ -94,10 +94,10 @@ class Worker:
                 self.source.put(step)  # blocks while the producer is behind: the ring fills instead
         self.consumed_steps += 1
 
-    def copy_out(self, base: int, rid: str, meta: tuple | None, position: int, n: int, is_prompt: bool,
+    def copy_out(self, base: int, rid: str, meta: dict | None, position: int, n: int, is_prompt: bool,
                  finished: bool, rel: int, aux_width: int, final_width: int) -> StagedStep | None:
         if meta is not None:
-            self.metas[rid] = RequestMeta(*meta)
+            self.metas[rid] = RequestMeta(**meta)
             if len(self.metas) > _MAX_METAS:
                 self.metas.popitem(last=False)
         request = self.metas.pop(rid, None) if finished else self.metas.get(rid)
