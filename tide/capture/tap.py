@@ -13,11 +13,14 @@
    it holds of them. It never blocks and no exception escapes.
 The worker process (``tide.capture.worker``) assembles, checksums, compresses and produces to
 Kafka; a reader thread here applies the counters it reports to this process's metrics and, if the
-worker dies, counts it and starts a new one after ``reconnect_backoff_s``. ``close`` asks the
-worker to drain and flush within a time limit.
+worker dies, counts it and starts a new one after ``reconnect_backoff_s``. A worker is handed
+to ``offer`` only once it has sent its first report (it is reading frames): while it starts
+(seconds on a loaded machine), frames would only pile up in the pipe until it overflowed.
+``close`` asks the worker to drain and flush within a time limit.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import pickle
@@ -47,6 +50,11 @@ log = logging.getLogger(__name__)
 _SAMPLED, _TOKENS, _BROKEN, _META_SENT = 0, 1, 2, 3
 _MAX_ABORTED = 4096  # broken request ids waiting for frames that reach the worker
 _ABORTED_PER_FRAME = 8  # so a frame stays under PIPE_BUF
+# frames are ~200 B: the default 64 KiB pipe holds only a few hundred steps, so a worker that is
+# briefly descheduled makes the tap drop; 1 MiB (Linux's default pipe-max-size) holds thousands
+_FRAMES_PIPE_BYTES = 1 << 20
+# python start-up and imports of the worker; generous because the machine may be loaded
+_WORKER_START_TIMEOUT_S = 30.0
 
 
 def stage(capture: StepCapture, hidden_dtype: str) -> StagedStep:
@@ -68,6 +76,10 @@ class _WorkerHandle:
         frames_r, self.frames_w = os.pipe()
         reports_r, reports_w = os.pipe()
         os.set_blocking(self.frames_w, False)
+        try:
+            fcntl.fcntl(self.frames_w, fcntl.F_SETPIPE_SZ, _FRAMES_PIPE_BYTES)
+        except (OSError, AttributeError):  # not Linux, or over pipe-max-size: the default size works
+            log.debug("capture: cannot enlarge the frames pipe", exc_info=True)
         root = str(Path(tide.__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
@@ -84,6 +96,16 @@ class _WorkerHandle:
         self.last: dict[tuple, float] = {}  # counter values of its previous report
         self.consumed_steps = 0
         self.unacked_bytes = 0
+
+    def first_report(self, timeout_s: float) -> tuple | None:
+        """The worker's first report, sent once it is in its loop; None if none came in time.
+        Until then frames only pile up in the pipe, so offers would overflow it and drop."""
+        try:
+            if self.reports.poll(timeout_s):
+                return pickle.loads(self.reports.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        return None
 
     def close_pipes(self) -> None:
         for close in (lambda: os.close(self.frames_w), self.reports.close):
@@ -111,7 +133,8 @@ class CaptureTap:
         self._lock = threading.Lock()  # offer vs. a worker restart (uncontended on the hot path)
         self._ring = StagingRing.create(config.staging_bytes)
         self._bytes = torch.frombuffer(self._ring.data, dtype=torch.uint8)
-        self._worker: _WorkerHandle | None = _WorkerHandle(config, kafka, self._ring)
+        self._worker: _WorkerHandle | None = None
+        self._worker = self._start_worker()
         self._reader = threading.Thread(target=self._supervise, name="tide-capture-reports", daemon=True)
         self._reader.start()
 
@@ -279,13 +302,30 @@ class CaptureTap:
             time.sleep(0.05)
         if self._closed:
             return
-        with self._lock:
+        with self._lock:  # until the new worker reads frames, offers see none and drop (worker_down)
             self._ring.reset()  # nobody reads the ring now
             self._sent_steps = 0
-            try:
-                self._worker = _WorkerHandle(self.config, self.kafka, self._ring)
-            except OSError:
-                log.exception("capture: cannot start the capture worker")
+        worker = self._start_worker()
+        with self._lock:
+            if not self._closed:
+                self._worker = worker
+                return
+        if worker is not None:  # close() came meanwhile and did not see it: EOF makes it flush and exit
+            worker.close_pipes()
+
+    def _start_worker(self) -> _WorkerHandle | None:
+        """A new worker, returned once it reads frames (or after a time limit: then late)."""
+        try:
+            worker = _WorkerHandle(self.config, self.kafka, self._ring)
+        except OSError:
+            log.exception("capture: cannot start the capture worker")
+            return None
+        message = worker.first_report(_WORKER_START_TIMEOUT_S)
+        if message is None:
+            log.error("capture worker sent no report within %.0f s", _WORKER_START_TIMEOUT_S)
+        elif message[0] == STATS:
+            self._apply(worker, message[1])
+        return worker
 
     # --- shutdown -------------------------------------------------------------------------------
     def close(self, timeout_s: float | None = None) -> None:
