@@ -225,7 +225,18 @@ class TrainConfig:
     ce_weight: float = 1.0
     feature_weight: float = 0.0
     train_head: bool = True
+    # fit a calibrated confidence head for the candidate (tide/train/confidence.py); a drafter
+    # with one stops greedy drafts on chain survival instead of the raw top probability, so it
+    # stays off until bench/spec_decode shows that rule no slower than the plain one
+    confidence_head: bool = False
     data_dir: str = ""  # empty = the ingest data_dir (<home>/dataset)
+    # where a retrain runs (tide/train/device.py): auto = the GPU when PyTorch sees one (ROCm
+    # builds call AMD GPUs cuda too); cuda without one fails. bf16 = autocast, fp32 master weights
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "fp32"  # fp32 | bf16
+    # who trains: TIDE's trainer, or SpecForge's EAGLE3 trainer where it is installed with a GPU
+    # (tide/train/specforge_backend.py; refused before any work otherwise)
+    backend: str = "tide"  # tide | specforge
 
 
 @dataclass(frozen=True)
@@ -309,7 +320,7 @@ class ScheduleConfig:
     k8s_gpu_resource: str = "nvidia.com/gpu"  # or amd.com/gpu
     k8s_gpu_count: int = 1  # 0 = CPU-only job
     k8s_cpu: str = "4"
-    k8s_memory: str = "32Gi"
+    k8s_memory: str = "4Gi"  # twice the retrain peak at 4x the bench window (the ConfigMap states the rule)
     # extra plain env for the job's container: no credentials (a name that looks like one, or a
     # URL with a password, is refused at start); those go in k8s_secret_env
     k8s_env: Mapping[str, str] = field(default_factory=dict)
@@ -358,6 +369,11 @@ class TideConfig:
     @property
     def home_path(self) -> Path:
         return Path(self.home) if self.home else default_home()
+
+
+# string fields with a closed set of values: anything else is refused when the config is read
+CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16"),
+           "train.backend": ("tide", "specforge")}
 
 
 class ConfigError(ValueError):
@@ -437,6 +453,9 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
             kwargs[name] = _build(tp, value, f"{where}.{name}")
         else:
             kwargs[name] = _coerce(value, tp, f"{where}.{name}")
+            allowed = CHOICES.get(f"{section}.{name}")
+            if allowed and kwargs[name] not in allowed:
+                raise ConfigError(f"{where}.{name}: {kwargs[name]!r} is not one of {allowed}")
     return cls(**kwargs)
 
 

@@ -121,6 +121,11 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
                 "champion_heldout_loss", "train_tokens_per_s"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     assert float(tags["tide.sim_accept_length"]) == pytest.approx(metrics["candidate_sim_accept_length"], abs=1e-4)
+    # memory per phase of the retrain (tide/train/memory.py), each within the process peak
+    phases = ("plan", "target", "window", "eval_parent", "teacher", "train", "eval_candidate", "register")
+    assert metrics["peak_rss_gib_exact"] == 1.0
+    for phase in phases:
+        assert 0 < metrics[f"peak_rss_gib.{phase}"] <= metrics["peak_rss_gib"], phase
     losses = registry.client.get_metric_history(version.run_id, "train_loss")
     assert len(losses) == metrics["train_steps"] > 0
     assert version.params["parent_version"] == "1" and version.params["window_start_s"] == str(T0 + 24)
@@ -129,6 +134,7 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     trained, parent = load_drafter(local, spec), load_drafter(registry.download(1), spec)
     assert mapping_digest(trained.d2t) == mapping_digest(parent.d2t)
     assert not torch.equal(trained.fc.weight, parent.fc.weight)  # it did train
+    assert trained.confidence is None  # train.confidence_head is off by default
     # stored in bf16, and the registered metrics were measured on those rounded weights
     from safetensors import safe_open
     with safe_open(str(local / "model.safetensors"), "pt") as f:
@@ -144,6 +150,22 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     assert len(OfflineManifestReader(str(tmp_path / "specforge")).read()) == manifest["samples"]
     mapping = torch.load(tmp_path / "specforge" / "vocab_mapping" / "vocab_mapping.pt")
     assert torch.equal(mapping["d2t"], parent.d2t)
+
+
+def test_confidence_head_is_fitted_registered_and_loaded(tmp_path, tiny_setup):
+    """train.confidence_head: the candidate carries a calibrated head (checksummed beside the
+    weights), and its calibration errors are the version's metrics."""
+    home, config = make_home(tmp_path, tiny_setup, 72, confidence_head=True)
+    code, payload, err = run_job(config, tmp_path / "result.json")
+    assert code == 0, err
+    registry = Registry.from_config(load_config(config))
+    version = registry.get_version(payload["version"])
+    for key in ("confidence_ece", "confidence_ece_raw", "confidence_ece_top_prob"):
+        assert 0.0 <= version.metrics[key] <= 1.0, key
+    assert 0 < version.metrics["peak_rss_gib.confidence"] <= version.metrics["peak_rss_gib"]
+    trained = load_drafter(registry.download(payload["version"]), TargetSpec(64, 512, AUX), require_checksum=True)
+    assert trained.confidence is not None and len(trained.confidence.temperature) == 3  # spec.draft_len
+    assert bool((trained.confidence.temperature > 0).all())
 
 
 def test_killed_retrain_leaves_no_version_and_the_next_one_succeeds(tmp_path, tiny_setup):
@@ -209,3 +231,32 @@ def test_sigterm_unwinds_cleanly(tmp_path, tiny_setup):
     runs = registry.client.search_runs([registry.experiment_id], "tags.`tide.kind` = 'retrain'")
     assert [r.info.status for r in runs] == ["KILLED"]
     assert not list((home / "retrain").glob("work-*"))
+
+
+def test_torchrun_two_ranks_train_and_only_rank_0_registers(tmp_path, tiny_setup):
+    """``tide train --online`` under torchrun (2 gloo ranks): one version, from one MLflow run."""
+    home, config = make_home(tmp_path, tiny_setup, 72, device="cpu")
+    result = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           *retrain_cmd(config, result)[2:]]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    payload = json.loads(result.read_text())
+    assert payload["status"] == "registered" and payload["version"] == 2, payload
+    registry = Registry.from_config(load_config(config))
+    assert sorted(v.version for v in registry.list_versions(include_incomplete=True)) == [1, 2]
+    metrics = registry.get_version(2).metrics
+    assert metrics["train_ranks"] == 2 and metrics["train_steps"] > 0 and metrics["train_tokens_per_s"] > 0
+    runs = registry.client.search_runs([registry.client.get_run(payload["run_id"]).info.experiment_id])
+    assert len([r for r in runs if r.data.tags.get("tide.kind") == "retrain"]) == 1
+
+
+def test_cuda_device_without_a_gpu_fails_with_a_clear_reason(tmp_path, tiny_setup, monkeypatch):
+    home, config = make_home(tmp_path, tiny_setup, 72, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = tmp_path / "result.json"
+    assert run_cli(load_config(config), str(result)) == 1
+    payload = json.loads(result.read_text())
+    assert payload["status"] == "failed" and "train.device is 'cuda' but no GPU is usable" in payload["reason"]
+    assert Registry.from_config(load_config(config)).list_versions(include_incomplete=True) == []

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import math
 import re
 from pathlib import Path
 
@@ -41,6 +42,7 @@ def _docs(path: Path) -> list[dict]:
 KUSTOMIZATION = _docs(BASE / "kustomization.yaml")[0]
 OBJECTS = [d for name in KUSTOMIZATION["resources"] for d in _docs(BASE / name)]
 AMD = _docs(K8S / "overlays" / "amd" / "kustomization.yaml")[0]
+CPU = _docs(K8S / "overlays" / "cpu" / "kustomization.yaml")[0]
 CONFIG_TEXT = next(d for d in OBJECTS if d["kind"] == "ConfigMap")["data"]["config.yaml"]
 
 
@@ -54,9 +56,9 @@ def _containers(deployments=None):
             yield dep, c
 
 
-def _amd_scheduler() -> dict:
+def _amd_scheduler(overlay=None) -> dict:
     """The overlay's patch applied to the base Deployment (strategic merge: containers and env by name)."""
-    (p,) = AMD["patches"]
+    (p,) = (overlay or AMD)["patches"]
     dep = copy.deepcopy(_named("Deployment")[p["target"]["name"]])
     for pc in yaml.safe_load(p["patch"])["spec"]["template"]["spec"]["containers"]:
         (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == pc["name"]]
@@ -79,7 +81,7 @@ def _env(container) -> dict[str, str]:
 def test_manifests_parse_validate_and_are_all_listed():
     assert set(KUSTOMIZATION["resources"]) == {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
     assert _docs(K8S / "kustomization.yaml")[0]["resources"] == ["base"]  # kubectl apply -k k8s/
-    assert AMD["resources"] == ["../../base"]
+    assert AMD["resources"] == CPU["resources"] == ["../../base"]
     for kfile in K8S.rglob("kustomization.yaml"):
         for name in _docs(kfile)[0]["resources"]:
             # kustomize refuses a base that is the overlay's own folder or one above it (cycle
@@ -87,7 +89,7 @@ def test_manifests_parse_validate_and_are_all_listed():
             path = (kfile.parent / name).resolve()
             assert path.exists() and path not in [kfile.parent, *kfile.parent.parents], (kfile, name)
             assert path.is_dir() or kfile.parent in path.parents, (kfile, name)
-    for doc in OBJECTS + [_amd_scheduler()]:
+    for doc in OBJECTS + [_amd_scheduler(), _amd_scheduler(CPU)]:
         getattr(client, "V1" + doc["kind"]).model_validate(doc)  # pydantic, extra keys forbidden
         assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == KUSTOMIZATION["namespace"]
 
@@ -104,7 +106,7 @@ def test_configmap_config_loads_strictly(tmp_path):
 
 def test_every_tide_env_var_names_a_config_field_and_parses(tmp_path):
     cfg = _config(tmp_path)
-    envs = [_env(c) for _, c in _containers([*_named("Deployment").values(), _amd_scheduler()])]
+    envs = [_env(c) for _, c in _containers([*_named("Deployment").values(), _amd_scheduler(), _amd_scheduler(CPU)])]
     envs.append(dict(cfg.schedule.k8s_env))  # set in the ConfigMap, read by each retrain Job
     names = {n for env in envs for n in env if n.startswith("TIDE_")}
     assert "TIDE_SERVER__CONTROL_TOKEN" in names and "TIDE_SCHEDULE__K8S_NODE_SELECTOR" in names
@@ -130,8 +132,14 @@ def test_containers_run_existing_services_with_accepted_flags():
         assert mounts[kubernetes_launcher.CONFIG_MOUNT]["configMap"]["name"] in configmaps
         assert all(v["persistentVolumeClaim"]["claimName"] in pvcs
                    for v in volumes.values() if "persistentVolumeClaim" in v)
-    # retrain Jobs run schedule.k8s_image: the same code as the services that feed them
-    assert {c["image"] for _, c in _containers()} == {yaml.safe_load(CONFIG_TEXT)["schedule"]["k8s_image"]}
+    # retrain Jobs run schedule.k8s_image: the same code as the services that feed them, with
+    # PyTorch built for the pool's GPUs (tag suffix -cuda, -rocm in overlays/amd; none in overlays/cpu)
+    images = {c["image"] for _, c in _containers()}
+    job_images = {yaml.safe_load(CONFIG_TEXT)["schedule"]["k8s_image"]} | {
+        _env(_amd_scheduler(o)["spec"]["template"]["spec"]["containers"][0])["TIDE_SCHEDULE__K8S_IMAGE"]
+        for o in (AMD, CPU)}
+    (image,) = images
+    assert job_images == {image + "-cuda", image + "-rocm", image}
 
 
 def _routes() -> dict[str, set[str]]:
@@ -198,19 +206,24 @@ def test_scheduler_role_grants_exactly_the_launchers_api_calls():
     assert (spec["replicas"], spec["strategy"]["type"]) == (1, "Recreate")  # single-flight
 
 
-@pytest.mark.parametrize("overlay,gpu", [(False, "nvidia.com/gpu"), (True, "amd.com/gpu")])
+@pytest.mark.parametrize("overlay,gpu", [(None, "nvidia.com/gpu"), ("amd", "amd.com/gpu"), ("cpu", None)])
 def test_retrain_job_from_the_configmap_lands_on_the_training_pool(tmp_path, overlay, gpu):
-    env = _env(_amd_scheduler()["spec"]["template"]["spec"]["containers"][0]) if overlay else {}
+    patch = {"amd": AMD, "cpu": CPU}.get(overlay)
+    env = _env(_amd_scheduler(patch)["spec"]["template"]["spec"]["containers"][0]) if patch else {}
     cfg = _config(tmp_path, env=env)
     job = client.ApiClient().sanitize_for_serialization(
         build_job(cfg.schedule, "20250101-000000-abc123", job_env(cfg)))
     pod = job["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     limits = c["resources"]["limits"]
-    assert limits[gpu] == "1" and [k for k in limits if "gpu" in k] == [gpu]
+    assert [k for k in limits if "gpu" in k] == ([gpu] if gpu else []) and (not gpu or limits[gpu] == "1")
+    # the Job trains on what it asks for, in an image whose PyTorch is built for it
+    device = {e["name"]: e.get("value") for e in c["env"]}["TIDE_TRAIN__DEVICE"]
+    assert device == ("cuda" if gpu else "cpu")
+    assert c["image"].endswith({"nvidia.com/gpu": "-cuda", "amd.com/gpu": "-rocm", None: ".0"}[gpu])
     assert pod["nodeSelector"] == dict(cfg.schedule.k8s_node_selector)
     assert pod["nodeSelector"]["tide.dev/pool"] == "training"
-    assert {t["key"] for t in pod["tolerations"]} == {gpu, "tide.dev/pool"}  # no stray spaces in keys
+    assert {t["key"] for t in pod["tolerations"]} == {gpu, "tide.dev/pool"} - {None}  # no stray spaces in keys
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"]["configMap"]["name"] in _named("ConfigMap")
     pvc = _named("PersistentVolumeClaim")[volumes["dataset"]["persistentVolumeClaim"]["claimName"]]
@@ -413,3 +426,20 @@ def test_network_policies_open_control_and_registry_only_to_the_pods_that_need_t
     # and no one else: every peer is an engine, a retrain Job or a control client
     assert all(sel in control_labels or sel.items() <= engine_labels.items() or sel.items() <= job_labels.items()
                for sel in peers)
+
+
+def test_the_retrain_jobs_memory_follows_its_stated_rule(tmp_path):
+    """The ConfigMap sizes the Job's memory from a measured peak (bench/retrain.py): the figure it
+    quotes is the one docs/benchmarks.md records, the request follows the rule it states (twice
+    the peak, rounded up to a whole GiB), and the Job asks for exactly that."""
+    line = next(x for x in CONFIG_TEXT.splitlines() if x.strip().startswith("k8s_memory:"))
+    figure = re.search(r"peak ([0-9.]+) GiB", line)
+    assert figure, line
+    peak_gib = float(figure.group(1))
+    assert f"{figure.group(1)} GiB" in (ROOT / "docs" / "benchmarks.md").read_text()
+    cfg = _config(tmp_path)
+    assert cfg.schedule.k8s_memory == f"{math.ceil(2 * peak_gib)}Gi"
+    job = client.ApiClient().sanitize_for_serialization(
+        build_job(cfg.schedule, "20250101-000000-abc123", job_env(cfg)))
+    resources = job["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == cfg.schedule.k8s_memory

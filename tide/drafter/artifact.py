@@ -1,8 +1,9 @@
 """Drafter artifacts: the SpecForge/SGLang export layout, saved and loaded with validation.
 
 A drafter folder holds ``config.json`` (architecture ``LlamaForCausalLMEagle3``),
-``model.safetensors`` (fc, midlayer, norm, lm_head, t2d, d2t; no embeddings) and ``tide.json``
-(sha256 of the weights file, vocab-mapping digest, free-form lineage metadata).
+``model.safetensors`` (fc, midlayer, norm, lm_head, t2d, d2t; no embeddings), ``tide.json``
+(sha256 of the weights file, vocab-mapping digest, free-form lineage metadata) and, optionally,
+``confidence/`` (the calibrated confidence head, its sha256 in tide.json; tide/drafter/confidence.py).
 
 Loading steps (anything wrong raises ``DrafterError`` and nothing is returned):
 1. refuse folders carrying pickle weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) or missing files;
@@ -11,7 +12,8 @@ Loading steps (anything wrong raises ``DrafterError`` and nothing is returned):
    against the target (hidden size, vocab, aux layer ids, positions; tide/drafter/bounds.py);
 4. compare the safetensors header's names and shapes with the module's (no tensor read yet);
 5. load tensors with safetensors only, check finite values and the vocab mapping (and, if given,
-   that it equals the serving one), build the module.
+   that it equals the serving one), build the module;
+6. load the confidence head if the folder has one (checksum, shapes, finite, positive temperatures).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tide.drafter.bounds import LIMITS, config_problems, expected_state, fit_problems, header_problems
+from tide.drafter.confidence import CONFIDENCE_SHA, load_confidence, save_confidence
 from tide.drafter.model import DrafterShape, Eagle3Drafter
 from tide.drafter.vocab import mapping_digest
 
@@ -87,8 +90,10 @@ def save_drafter(drafter: Eagle3Drafter, folder: str | Path, metadata: dict | No
         (tmp / CONFIG).write_text(json.dumps(drafter.shape.to_hf_config(extra), indent=2))
         meta = {"sha256": file_sha256(tmp / WEIGHTS), "vocab_mapping": mapping_digest(drafter.d2t),
                 **(metadata or {})}
+        if drafter.confidence is not None:
+            meta[CONFIDENCE_SHA] = save_confidence(drafter.confidence, tmp)
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        for p in tmp.iterdir():
+        for p in (p for p in tmp.rglob("*") if p.is_file()):
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
         if folder.exists():
@@ -190,4 +195,8 @@ def load_drafter(folder: str | Path, target: TargetSpec | None = None,
     state = {k: v for k, v in state.items() if k in expected}
     state["t2d"] = state["t2d"].to(torch.bool)
     drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
+    try:
+        drafter.confidence = load_confidence(folder, shape.hidden_size, meta.get(CONFIDENCE_SHA))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DrafterError(f"{folder}: confidence head: {exc}") from exc
     return drafter.eval()

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tide.drafter.confidence import Confidence
 from tide.models.llama import KVCache, apply_rope, attend, rms_norm, rope_tables
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -181,6 +182,9 @@ class Eagle3Drafter(nn.Module):
         cos, sin = rope_tables(s.head_dim, s.rope_theta, s.max_position_embeddings + 64)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # the calibrated confidence head, when the artifact has one: plain tensors, not a
+        # submodule, so the state_dict stays exactly SpecForge's and SGLang's
+        self.confidence: Confidence | None = None
 
     def set_vocab_mapping(self, d2t: torch.Tensor) -> None:
         """d2t: [draft_vocab] offsets; t2d is derived (True where a target id has a draft id)."""
@@ -201,7 +205,7 @@ class Eagle3Drafter(nn.Module):
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab] target token id of each draft id."""
-        return torch.arange(self.shape.draft_vocab_size) + self.d2t
+        return torch.arange(self.shape.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 from tide.contracts import JOB_FAILED, JOB_SUCCEEDED, JOB_TIMED_OUT
 from tide.redact import has_url_password, looks_secret
+from tide.schedule.gpu_job import device_env, ranks_argv, shm_volume
 from tide.schedule.launcher import ENV_JOB_ID, JobSpec, Outcome
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ def job_env(cfg: Any) -> dict[str, str]:
     # where the Job writes, so that its emptyDirs (WRITABLE) are exactly there
     env["TIDE_HOME"] = sc.k8s_tide_home
     env["TIDE_REGISTRY__CACHE_DIR"] = WRITABLE["registry-cache"].format(home=sc.k8s_tide_home)
+    env.update(device_env(sc))  # the device the Job asks for (tide/schedule/gpu_job.py)
     env.update(sc.k8s_env)
     return env
 
@@ -134,12 +136,13 @@ def build_job(sc: Any, job_id: str, env: Mapping[str, str]):
 
     labels = {"app.kubernetes.io/name": "tide-retrain", "app.kubernetes.io/managed-by": MANAGED_BY,
               LABEL_JOB_ID: job_id}
-    argv = ["python" if arg == "{python}" else arg for arg in sc.command]
+    argv = ranks_argv(["python" if arg == "{python}" else arg for arg in sc.command], sc.k8s_gpu_count)
     problems = plain_env_problems(env)
     if problems:
         raise ValueError("retrain Job env: " + "; ".join(problems) + ": put it in a Kubernetes Secret and "
                          "name it in schedule.k8s_secret_env (NAME: secret-name/key)")
     volumes, mounts = _writable_volumes(env, sc.k8s_tide_home)
+    volumes, mounts = [a + b for a, b in zip((volumes, mounts), shm_volume(sc.k8s_gpu_count))]
     if sc.k8s_config_map:
         argv += ["--config", f"{CONFIG_MOUNT}/config.yaml"]
         volumes.append(client.V1Volume(name="config", config_map=client.V1ConfigMapVolumeSource(

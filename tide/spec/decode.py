@@ -9,7 +9,9 @@ One step (``speculative_step``):
 1. draft: the drafter consumes the feed (writing its KV cache with target features) and its last
    output proposes d1; then up to ``gamma-1`` more cached steps on its own hidden stream propose
    d2..dγ. With ``stop_prob`` > 0 a row stops drafting after a token whose draft probability is
-   below it (the drafter knows when it is guessing); the step stops when every row has stopped;
+   below it (the drafter knows when it is guessing); with a calibrated confidence head on the
+   drafter, a greedy row stops once the chain's survival probability drops below it instead;
+   the step stops when every row has stopped;
 2. verify: one target forward over ``[pending, d1..dk]`` at positions ``t_len..t_len+k`` (k = the
    longest row's draft; a shorter row's tail is padding that is never accepted). On CPU a verify
    costs more per token fed, so not feeding drafts that would be rejected is most of the point;
@@ -118,11 +120,13 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
         h = drafter.step(F.embedding(tokens, embed), hidden, cache, slots, positions, first)
         h = h[torch.arange(bsz), last][:, None]  # [B, 1, H]
         pos = positions[torch.arange(bsz), last][:, None]
+        fed = tokens[torch.arange(bsz), last]  # [B] the token each row's next draft follows
+        chain = torch.ones(bsz)
         for i in range(gamma):
             logits = drafter.logits(h)[:, 0].float()  # [B, draft_vocab]
-            # greedy rows' confidence: the top draft probability, one batched softmax per step
-            top_prob = (torch.softmax(logits, dim=-1).amax(-1).tolist()
-                        if stop_prob > 0 and any(r.temperature <= 0 for r in rows) else None)
+            top_prob = None
+            if stop_prob > 0 and any(r.temperature <= 0 for r in rows):
+                top_prob, chain = _greedy_confidence(drafter, embed, h[:, 0], fed, logits, i, chain)
             for b, r in enumerate(rows):
                 if not active[b]:
                     out_tokens[b, i] = out_tokens[b, i - 1]  # padding: verified, never accepted
@@ -140,6 +144,7 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
                 out_tokens[b, i] = d2t_ids[d]
                 lengths[b] = i + 1
                 active[b] = confidence >= stop_prob
+            fed = out_tokens[:, i]
             if i + 1 < gamma and any(active):
                 pos = pos + 1
                 h = drafter.step(F.embedding(out_tokens[:, i:i + 1], embed), h, cache, slots, pos, first)
@@ -147,6 +152,20 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
                 break
     k = max(lengths)
     return out_tokens[:, :k], [torch.stack(q) if q else None for q in q_probs], lengths
+
+
+def _greedy_confidence(drafter: Eagle3Drafter, embed: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor,
+                       logits: torch.Tensor, depth: int, chain: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """Greedy rows' confidence in this draft, one batched computation per step: the calibrated
+    survival of the whole chain so far when the drafter has a confidence head, else the draft's
+    top probability (the head's probabilities multiply; raw top probabilities are not calibrated
+    enough to)."""
+    if drafter.confidence is None:
+        return torch.softmax(logits, dim=-1).amax(-1).tolist(), chain
+    survival = drafter.confidence.survival(hidden, F.embedding(fed, embed), logits, depth,
+                                           drafter.shape.rms_norm_eps)
+    chain = chain * survival
+    return chain.tolist(), chain
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:

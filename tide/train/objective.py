@@ -48,12 +48,21 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat((x[:, n:], pad), dim=1)
 
 
-def target_top_tokens(final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_tokens: int = 1024) -> torch.Tensor:
-    """[T] int64: the target's argmax token at each position (one full-vocab projection, chunked)."""
+def target_top_tokens(final: torch.Tensor, lm_head_weight: torch.Tensor, chunk_tokens: int = 1024,
+                      buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """[T] int64: the target's argmax token at each position (one full-vocab projection, chunked).
+
+    ``buffer`` (float32 [>= chunk_tokens, V]) receives each chunk's logits instead of a fresh
+    block: called once per sample over a window, differently sized [rows, V] blocks (tens of MB,
+    under glibc's mmap threshold once it has risen) interleaved with the small results fragment
+    the heap, which grew a retrain's peak by GiBs on a 200k-token window."""
     out = []
     with torch.no_grad():
+        weight = lm_head_weight.float()
         for start in range(0, final.shape[0], chunk_tokens):
-            out.append(F.linear(final[start:start + chunk_tokens].float(), lm_head_weight.float()).argmax(-1))
+            x = final[start:start + chunk_tokens].to(weight.device).float()
+            logits = F.linear(x, weight) if buffer is None else torch.mm(x, weight.t(), out=buffer[:x.shape[0]])
+            out.append(logits.argmax(-1).to(final.device))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
@@ -112,21 +121,21 @@ def unroll(drafter: Eagle3Drafter, embed: torch.Tensor, batch: Batch, length: in
     layer = drafter.midlayer
     attn = layer.self_attn
     rep = s.num_heads // s.num_kv_heads
-    causal = torch.full((t, t), float("-inf")).triu(1)
+    causal = torch.full((t, t), float("-inf"), device=batch.tokens.device).triu(1)
     hidden = drafter.project(batch.aux)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for step in range(length):
         if step == 0:
             x = layer.attn_input(F.embedding(shift_left(batch.tokens, 1), embed).to(hidden.dtype), hidden)
-            cos, sin = drafter.rope_at(torch.arange(t).expand(bsz, t))
+            cos, sin = drafter.rope_at(torch.arange(t, device=batch.tokens.device).expand(bsz, t))
             q, k, v = attn.qkv(x, cos, sin)
         else:
             tokens = rows.at(batch.tokens, step)
             x = layer.attn_input(F.embedding(tokens, embed).to(hidden.dtype), hidden)[None]
             cos, sin = drafter.rope_at((rows.t + step)[None])
             q_rows, k_rows, v_rows = attn.qkv(x, cos, sin)
-            q, k, v = (torch.zeros(bsz, t, *r.shape[2:], dtype=r.dtype).index_put((rows.b, rows.t), r[0])
+            q, k, v = (torch.zeros(bsz, t, *r.shape[2:], dtype=r.dtype, device=r.device).index_put((rows.b, rows.t), r[0])
                        for r in (q_rows, k_rows, v_rows))
         keys.append(k.transpose(1, 2).repeat_interleave(rep, dim=1))
         values.append(v.transpose(1, 2).repeat_interleave(rep, dim=1))
@@ -158,16 +167,16 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: tor
         with torch.no_grad():
             head_draft = lm_head_weight[drafter.draft_to_target].float()
             teacher_p = torch.softmax(F.linear(batch.final[ub, ut].float(), head_draft), dim=-1)
-        teacher_at = torch.full(mask_all.shape, -1, dtype=torch.long)
-        teacher_at[ub, ut] = torch.arange(len(ub))
-    total = torch.zeros(())
+        teacher_at = torch.full(mask_all.shape, -1, dtype=torch.long, device=mask_all.device)
+        teacher_at[ub, ut] = torch.arange(len(ub), device=mask_all.device)
+    total = torch.zeros((), device=mask_all.device)
     losses, accs = [], []
     for step, hidden, rows in unroll(drafter, embed, batch, length, logits=False):
         # losses only at masked positions: the head and the teacher cost scale with the vocab,
         # so projecting only the positions that count is most of the training speed
         sel = rows.at(mask_all, step) > 0
         n = int(sel.sum())
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=mask_all.device)
         if n == 0:
             losses.append(0.0)
             accs.append(0.0)

@@ -7,9 +7,11 @@ Steps of ``run_retrain``:
 3. parent = the registry's ``champion``; on an empty registry the static drafter is registered
    first as version 1 / champion; with versions but no champion, the static drafter file is the
    parent (lineage "static");
-4. load the target (embeddings and lm_head are the drafter's frozen inputs), the parent drafter,
-   and a copy of it as the candidate: its vocab mapping (t2d/d2t) stays fixed;
-5. load the planned samples; open an MLflow run and log params (window, counts, hyperparameters,
+4. load the target's embeddings and lm_head (the drafter's frozen inputs; its layers are never
+   run here), the parent drafter, and a copy of it as the candidate: its vocab mapping (t2d/d2t)
+   stays fixed;
+5. load the planned samples, their hidden states into a local file read back per batch
+   (``tide/train/spill.py``: memory is set by ``train.batch_tokens``, not the window); open an MLflow run and log params (window, counts, hyperparameters,
    parent, code version);
 6. evaluate the parent on the held-out slice, train the candidate (warm start, time-capped),
    evaluate it on the same slice: simulated acceptance length at gamma = ``spec.draft_len`` and
@@ -25,7 +27,6 @@ import copy
 import json
 import logging
 import os
-import resource
 import shutil
 import signal
 import sys
@@ -59,10 +60,12 @@ from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save
 from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
 from tide.registry import Registry, code_version
+from tide.train.confidence import fit_for_retrain
+from tide.train.memory import PhaseMemory
+from tide.train.ranks import announce, current_ranks, run_rank, start, train_kwargs
 from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, plan_window
 
 log = logging.getLogger(__name__)
-
 
 
 class RetrainInterrupted(BaseException):
@@ -136,7 +139,7 @@ class _Inputs:
     plan: WindowPlan
     parent: str  # lineage label of the warm start ("static" or a version)
     parent_recorded: float | None  # the parent's registered sim accept length
-    target: object  # LlamaTarget: embeddings and lm_head are the drafter's frozen inputs
+    target: object  # TargetHeads: embeddings and lm_head, the drafter's frozen inputs
     champion: object  # Eagle3Drafter, the parent
     candidate: object  # a copy of the parent, trained in place; its vocab mapping stays fixed
     vocab: str
@@ -156,16 +159,19 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
                 progress: bool = False) -> RetrainResult:
     """One retrain: plan, load, train and evaluate, register (steps in the module docstring)."""
     t_start = time.monotonic()
-    registry = registry or Registry.from_config(cfg)
-    registry.reap_incomplete()
-    _reap_work_dirs(_work_root(cfg))
-    plan = plan_for(cfg, until_s)
+    memory = PhaseMemory()
+    with memory.phase("plan"):
+        registry = registry or Registry.from_config(cfg)
+        registry.reap_incomplete()
+        _reap_work_dirs(_work_root(cfg))
+        plan = plan_for(cfg, until_s)
     summary = plan.summary()
     short = _too_few(cfg.train, len(plan.recent), len(plan.heldout), "planned")
     if short:
         log.info("retrain: nothing to do: %s", short)
+        announce(None, None)
         return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short)
-    inputs = _load_inputs(cfg, registry, plan)
+    inputs = _load_inputs(cfg, registry, plan, memory)
     short = _too_few(cfg.train, len(inputs.data.train), len(inputs.data.heldout), "readable")
     if short:
         return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short)
@@ -175,17 +181,19 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
     work = Path(tempfile.mkdtemp(prefix=f"work-{os.getpid()}-", dir=_mkdir(_work_root(cfg))))
     try:
         _log_params(run, cfg, inputs, summary, code)
-        trained = _train_and_evaluate(cfg, inputs, run, progress)
+        trained = _train_and_evaluate(cfg, inputs, run, progress, memory, work)
         trained.metrics["load_s"] = inputs.loaded_at - t_start
-        info = _register(cfg, registry, run, inputs, trained, code, work)
-        trained.metrics["total_s"] = time.monotonic() - t_start
-        run.log_metrics({"total_s": trained.metrics["total_s"]})
+        with memory.phase("register"):
+            info = _register(cfg, registry, run, inputs, trained, code, work)
+        trained.metrics.update({"total_s": time.monotonic() - t_start, **memory.metrics()})
+        run.log_metrics({"total_s": trained.metrics["total_s"], **memory.metrics()})
         run.finish("FINISHED")
     except BaseException as exc:
         _finish_quietly(run, "KILLED" if isinstance(exc, (RetrainInterrupted, KeyboardInterrupt)) else "FAILED")
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        inputs.data.close()
     log.info("retrain: registered %s version %d as %s", registry.model_name, info.version, CHALLENGER)
     return RetrainResult(RETRAIN_REGISTERED, version=info.version, run_id=run.run_id,
                          metrics={**summary, **trained.metrics, "auto_promotion": _auto_promote(registry, cfg)})
@@ -199,15 +207,20 @@ def _too_few(tc, train: int, heldout: int, what: str) -> str:
             f"{heldout} held-out (need {tc.min_heldout_samples})")
 
 
-def _load_inputs(cfg, registry: Registry, plan: WindowPlan) -> _Inputs:
+def _load_inputs(cfg, registry: Registry, plan: WindowPlan, memory: PhaseMemory) -> _Inputs:
     """Steps 3-5: the parent (warm start), the target, and the planned samples."""
-    from tide.models.target import load_target  # target loading only; no engine is built
+    from tide.models.target import load_target_heads  # embeddings + lm_head only; no engine is built
 
-    parent, parent_folder, parent_recorded = _resolve_parent(cfg, registry)
-    target, _, _ = load_target(cfg)
-    spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
-    champion = load_drafter(parent_folder, spec)
-    data = load_window(data_dir_of(cfg), plan, cfg.train.train_on_prompt, cfg.train.max_seq_len)
+    with memory.phase("target"):
+        parent, parent_folder, parent_recorded = _resolve_parent(cfg, registry)
+        announce(plan, parent_folder)
+        target = load_target_heads(cfg)
+        spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
+        champion = load_drafter(parent_folder, spec)
+    with memory.phase("window"):
+        # hidden states to a local file, read back per batch: memory does not grow with the window
+        data = load_window(data_dir_of(cfg), plan, cfg.train.train_on_prompt, cfg.train.max_seq_len,
+                           spill_dir=_work_root(cfg))
     log.info("retrain: parent %s, %d train samples (%d tokens), %d held-out (%d tokens)",
              parent, len(data.train), data.train_tokens, len(data.heldout), data.heldout_tokens)
     return _Inputs(plan, parent, parent_recorded, target, champion, copy.deepcopy(champion),
@@ -225,32 +238,40 @@ def _log_params(run, cfg, inputs: _Inputs, summary: dict, code: str) -> None:
     })
 
 
-def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool) -> _Trained:
+def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: PhaseMemory, work: Path) -> _Trained:
     """Step 6: evaluate the parent, train the candidate, evaluate it on the same held-out slice."""
     import torch
 
-    from tide.train.trainer import evaluate, train
+    from tide.train.trainer import evaluate, prepare, train
 
     tc, data = cfg.train, inputs.data
+    device = start(cfg)
     embed, head = inputs.target.embed_weight, inputs.target.lm_head_weight
     eval_kw = dict(gamma=cfg.spec.draft_len, ttt_length=tc.ttt_length, step_weight=tc.step_weight_decay,
-                   max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens)
+                   max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens, device=device)
     t_eval = time.monotonic()
-    before = evaluate(inputs.champion, embed, head, data.heldout, **eval_kw)
+    with memory.phase("eval_parent"):
+        before = evaluate(inputs.champion, embed, head, data.heldout, **eval_kw)
     eval_s = time.monotonic() - t_eval
     log.info("retrain: training (parent sim accept length %.3f; peak RSS %.2f GiB)",
-             before.accept_length, _peak_rss_gib())
-    trained = train(inputs.candidate, embed, head, data.train, epochs=tc.epochs, lr=tc.lr,
-                    batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len, ttt_length=tc.ttt_length,
-                    step_weight=tc.step_weight_decay, seed=tc.seed, progress=progress,
-                    max_wall_s=tc.max_train_s, feature_weight=tc.feature_weight,
-                    ce_weight=tc.ce_weight, train_head=tc.train_head)
+             before.accept_length, memory.process_peak_gib)
+    with memory.phase("teacher"):  # the target's top tokens, once per training sample
+        prepare(data.train, inputs.candidate, head.to(device))  # the full-vocab projection: on the GPU if any
+    with memory.phase("train"):
+        if tc.backend == "specforge":  # SpecForge's trainer; its result comes back validated
+            from tide.train.specforge_backend import train_specforge
+            inputs.candidate, trained = train_specforge(cfg, inputs, work, data_dir_of(cfg))
+        else:
+            trained = train(inputs.candidate, embed, head, data.train, device=device, **train_kwargs(tc, progress))
     # stored and served in bf16, as the static drafter (half the bytes to stream per draft
     # token); rounded before evaluation so the registered metrics describe those weights
     round_weights_(inputs.candidate, torch.bfloat16)
     t_eval = time.monotonic()
-    after = evaluate(inputs.candidate, embed, head, data.heldout, **eval_kw)
+    with memory.phase("eval_candidate"):
+        after = evaluate(inputs.candidate, embed, head, data.heldout, **eval_kw)
     eval_s += time.monotonic() - t_eval
+    with memory.phase("confidence"):
+        inputs.candidate.confidence, confidence = fit_for_retrain(cfg, inputs.candidate, inputs.target, data)
     if mapping_digest(inputs.candidate.d2t) != inputs.vocab:
         raise RuntimeError("the vocab mapping changed during training")
     metrics = {**_eval_metrics("candidate", after), **_eval_metrics("champion", before),
@@ -258,8 +279,9 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool) -> _Trained:
                "heldout_positions": after.positions, "train_steps": trained.steps,
                "train_wall_s": trained.wall_s, "train_tokens_seen": trained.tokens_seen,
                "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),
+               "train_ranks": current_ranks().world, "train_on_gpu": int(device.type == "cuda"),
                "final_train_loss": trained.loss_curve[-1] if trained.loss_curve else float("nan"),
-               "eval_s": eval_s, "peak_rss_gib": _peak_rss_gib()}
+               "eval_s": eval_s, **confidence, **memory.metrics()}
     run.log_series("train_loss", trained.loss_curve)
     run.log_series("train_step0_acc", trained.step0_acc_curve)
     log.info("retrain: sim accept length %.3f -> %.3f on %d held-out positions",
@@ -307,10 +329,6 @@ def _auto_promote(registry: Registry, cfg) -> dict:
         return {"promote": False, "reason": f"auto-promotion failed: {type(exc).__name__}: {exc}"}
 
 
-def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
-
-
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -343,8 +361,14 @@ def run_cli(cfg, result_json: str | None, progress: bool = False, summary_json: 
     def on_term(signum, frame):
         raise RetrainInterrupted(f"signal {signum}")
 
+    if not current_ranks().is_main:  # torchrun's other ranks: train only; rank 0 reports
+        return run_rank(cfg, data_dir_of(cfg), _work_root(cfg))
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
+        start(cfg)  # the device first: a cuda retrain without a GPU fails before any work
+        if cfg.train.backend == "specforge":  # so does a SpecForge one without SpecForge or a GPU
+            from tide.train.specforge_backend import require
+            require(current_ranks().world)
         result = run_retrain(cfg, progress=progress)
         code = 0
     except RetrainInterrupted as exc:

@@ -23,8 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tide.drafter.artifact import save_drafter
+from tide.drafter.confidence import frozen
 from tide.drafter.static import cached_static_path
 from tide.models.target import eos_ids_of, load_target
+from tide.train.confidence import fit_confidence
 from tide.train.offline import corpus_counts, generate_samples, new_drafter, render_prompt
 from tide.train.trainer import Sample, evaluate, train
 
@@ -51,6 +53,8 @@ class StaticRecipe:
     # loss on generated positions only: that is where the drafter drafts, and the CE's cost is
     # per position (prompt positions still feed the drafter's attention)
     train_on_prompt: bool = False
+    # a calibrated confidence head (tide/train/confidence.py); off for the reason train.confidence_head is
+    confidence_head: bool = False
 
 
 def save_samples(samples: list[Sample], path: Path) -> None:
@@ -115,6 +119,11 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
     # (the trainer defaults: SpecForge's soft cross-entropy only, lm_head trained)
     after = evaluate(drafter, embed, head, held_samples, recipe.gamma)
     log.info("static drafter: simulated accept length %.3f -> %.3f", before.accept_length, after.accept_length)
+    confidence = {}
+    if recipe.confidence_head:
+        conf_head, confidence = fit_confidence(drafter, embed, head, samples, held_samples, depth=recipe.gamma,
+                                          batch_tokens=recipe.batch_tokens, seed=recipe.seed)
+        drafter.confidence = frozen(conf_head)
     meta = {
         "version": "static",
         "recipe": asdict(recipe),
@@ -126,6 +135,7 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
         "heldout_position_rates": [round(r, 4) for r in after.position_rates],
         "untrained_sim_accept_length": round(before.accept_length, 4),
         "target": cfg.model.model_id,
+        "confidence": confidence,
     }
     dest = out or cached_static_path(cfg.home_path)
     save_drafter(drafter, dest, metadata=meta, dtype=torch.bfloat16)

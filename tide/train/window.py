@@ -15,8 +15,10 @@ columns (ids, times, token counts; never hidden states):
    seeded hash, a few files at a time (``_replay_sample``: loading them reads a bounded number
    of files, not the whole past; deterministic for a given seed).
 ``load_window`` then streams only the files holding chosen requests through ``DatasetReader``
-and keeps the chosen ones as trainer ``Sample``s in bfloat16 (what was stored). The same plan
-can be written in SpecForge's offline format (``tide/train/specforge_export.py``).
+and keeps the chosen ones as trainer ``Sample``s in bfloat16 (what was stored); with a
+``spill_dir`` (online retrains) their hidden states go to a local file instead of memory and are
+read back per batch (``tide/train/spill.py``), so memory does not grow with the window. The same
+plan can be written in SpecForge's offline format (``tide/train/specforge_export.py``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 
 from tide.dataset.reader import DatasetReader
 from tide.dataset.reader import Sample as DatasetSample
+from tide.train.spill import StateFile
 from tide.train.trainer import Sample
 
 _CATALOG_COLUMNS = ["request_id", "target_model_id", "finished_at_s", "num_tokens", "chunk_index",
@@ -235,14 +238,19 @@ def _replay_sample(pool: list[RequestEntry], n: int, seed: int) -> list[RequestE
     return sorted(chosen, key=lambda e: (e.finished_at_s, e.request_id))
 
 
-def to_trainer_sample(sample: DatasetSample, all_positions: bool, max_seq_len: int) -> Sample:
-    """A dataset sample as the trainer takes it: bfloat16 states (as stored), truncated.
+def to_trainer_sample(sample: DatasetSample, all_positions: bool, max_seq_len: int,
+                      store: StateFile | None = None) -> Sample:
+    """A dataset sample as the trainer takes it: bfloat16 states (as stored), truncated; in
+    ``store`` instead of memory when one is given.
 
     ``all_positions`` trains on prompt positions too (loss mask of ones); evaluation keeps the
     captured mask (generated positions only: where a drafter is actually used).
     """
     n = min(int(sample.token_ids.numel()), max_seq_len)
     mask = torch.ones(n) if all_positions else sample.loss_mask[:n].float()
+    if store is not None:
+        return Sample(tokens=sample.token_ids[:n].clone(), loss_mask=mask, aux=None, final=None,
+                      spill=store.put(sample.aux_hidden[:n], sample.final_hidden[:n]))
     return Sample(tokens=sample.token_ids[:n].clone(), loss_mask=mask,
                   aux=sample.aux_hidden[:n].to(torch.bfloat16),
                   final=sample.final_hidden[:n].to(torch.bfloat16))
@@ -264,20 +272,27 @@ class WindowData:
     train_tokens: int
     heldout_tokens: int
     missing: int  # planned requests that could not be read (e.g. deleted by retention meanwhile)
+    store: StateFile | None = None  # where the samples' states are, when spilled
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
 
-def load_window(data_dir: str | Path, plan: WindowPlan, train_on_prompt: bool, max_seq_len: int
-                ) -> WindowData:
-    """Materialise the plan's samples (train = recent + replay, in plan order; held-out)."""
+def load_window(data_dir: str | Path, plan: WindowPlan, train_on_prompt: bool, max_seq_len: int,
+                spill_dir: str | Path | None = None) -> WindowData:
+    """Materialise the plan's samples (train = recent + replay, in plan order; held-out); their
+    states in a file under ``spill_dir`` when given, else in memory."""
     train_ids, held_ids = set(plan.train_ids), set(plan.heldout)
+    store = StateFile(spill_dir) if spill_dir is not None else None
     found: dict[str, Sample] = {}
     for sample in stream_requests(data_dir, plan, train_ids | held_ids):
         if sample.request_id in found:
             continue
         held = sample.request_id in held_ids
-        found[sample.request_id] = to_trainer_sample(sample, train_on_prompt and not held, max_seq_len)
+        found[sample.request_id] = to_trainer_sample(sample, train_on_prompt and not held, max_seq_len, store)
     train = [found[r] for r in plan.train_ids if r in found]
     heldout = [found[r] for r in plan.heldout if r in found]
     return WindowData(train=train, heldout=heldout, train_tokens=sum(len(s) for s in train),
                       heldout_tokens=sum(len(s) for s in heldout),
-                      missing=len(train_ids | held_ids) - len(found))
+                      missing=len(train_ids | held_ids) - len(found), store=store)

@@ -103,3 +103,35 @@ def test_rounded_weights_are_what_a_bf16_artifact_loads_back(tiny_drafter, tmp_p
     loaded = load_drafter(save_drafter(tiny_drafter, tmp_path / "r", dtype=torch.bfloat16), spec_of(tiny_drafter))
     for (name, a), (_, b) in zip(rounded.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_confidence_head_round_trips_and_is_checked(tmp_path, tiny_drafter):
+    """The head is saved beside model.safetensors (whose tensors stay SpecForge's), its sha256
+    recorded; a tampered, misshapen or missing head refuses the whole drafter."""
+    import copy
+
+    import pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tide.drafter.artifact import DrafterError, load_drafter, save_drafter
+    from tide.drafter.confidence import Confidence
+
+    d = copy.deepcopy(tiny_drafter)
+    h = d.shape.hidden_size
+    d.confidence = Confidence(torch.linspace(-1, 1, 2 * h + 1), 0.25, torch.tensor([1.0, 1.3, 1.7]))
+    folder = save_drafter(d, tmp_path / "with-head")
+    assert set(load_file(str(folder / "model.safetensors"))) == set(tiny_drafter.state_dict())
+    back = load_drafter(folder, require_checksum=True)
+    assert torch.equal(back.confidence.weight, d.confidence.weight) and back.confidence.bias == 0.25
+    assert torch.equal(back.confidence.temperature, d.confidence.temperature)
+    assert load_drafter(save_drafter(tiny_drafter, tmp_path / "plain")).confidence is None
+
+    head = folder / "confidence" / "head.safetensors"
+    tensors = load_file(str(head))
+    save_file({**tensors, "temperature": torch.tensor([1.0, -1.0, 1.0])}, str(head))
+    with pytest.raises(DrafterError, match="confidence head: .*checksum"):
+        load_drafter(folder)
+    head.unlink()
+    with pytest.raises(DrafterError, match="confidence head: .*missing"):
+        load_drafter(folder)

@@ -60,7 +60,9 @@ def test_manifest_runs_once_on_the_training_pool():
 def test_container_command_resources_env_and_volumes():
     (c,) = _manifest(_sc())["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "registry/tide:1.2"
-    assert c["command"] == ["python", "-m", "tide.cli", "train", "--online",
+    # 2 GPUs: one rank per GPU under torchrun (tide/schedule/gpu_job.py)
+    assert c["command"] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "tide.cli", "train", "--online",
                             "--config", "/etc/tide/config.yaml",
                             "--result-json", "/tmp/tide-retrain-result.json",
                             "--summary-json", "/dev/termination-log"]

@@ -91,3 +91,30 @@ def test_load_window_joins_chunks_and_keeps_values(dataset):
     assert all(len(s) <= 16 and s.loss_mask.min() == 1 for s in trained.train)
     assert all(s.loss_mask[:8].sum() == 0 for s in trained.heldout)  # evaluation: generated positions only
     assert data.train_tokens == sum(len(s) for s in data.train)
+
+
+def test_spilled_window_reads_back_the_same_states_and_batches(dataset, tmp_path):
+    """Online retrains keep states in a file (tide/train/spill.py): the same bf16 values, the same
+    collated batches, nothing held in the samples, and the file is gone once closed."""
+    from tide.train.trainer import collate
+
+    data_dir, _, _ = dataset
+    plan = plan_window(data_dir, WindowSpec(window_samples=60, replay_ratio=0.25, heldout_fraction=0.2,
+                                            target_model="org/m"))
+    held = load_window(data_dir, plan, train_on_prompt=False, max_seq_len=24)
+    spilled = load_window(data_dir, plan, train_on_prompt=False, max_seq_len=24, spill_dir=tmp_path)
+    assert all(s.aux is None and s.final is None for s in spilled.train + spilled.heldout)
+    assert spilled.store.nbytes == sum(len(s) * 4 * H * 2 for s in spilled.train + spilled.heldout)
+    assert list(tmp_path.iterdir()) == []  # unlinked: a killed retrain leaves nothing behind
+    for a, b in zip(held.train + held.heldout, spilled.train + spilled.heldout):
+        aux, final = b.states()
+        assert aux.dtype == torch.bfloat16 and torch.equal(aux, a.aux) and torch.equal(final, a.final)
+        assert torch.equal(b.states(5)[0], a.aux[:5])
+    for s in held.train + spilled.train:  # collate needs the trainer's per-position fields
+        s.in_vocab = torch.ones(len(s), dtype=torch.bool)
+        s.target_top = torch.zeros(len(s), dtype=torch.long)
+    x, y = collate(held.train[:5], 16), collate(spilled.train[:5], 16)
+    assert torch.equal(x.aux, y.aux) and torch.equal(x.final, y.final) and torch.equal(x.tokens, y.tokens)
+    spilled.close()
+    with pytest.raises(ValueError):
+        spilled.train[0].states()
