@@ -28,6 +28,12 @@ ALIGN_BYTES = 64  # every block starts aligned, so int32 / bf16 views of it are 
 PIPE_BUF = select.PIPE_BUF
 _LENGTH = struct.Struct("!i")
 
+# how a staged tensor's bytes are laid out: the stored dtype already, or a source dtype that the
+# worker converts (the tap then copied raw bytes with one memmove instead of a torch cast)
+STORED, FLOAT32, INT64 = "stored", "float32", "int64"
+# NaN stays a quiet NaN; its bits may differ from a torch cast's (which differ between torch's kernels)
+_BF16_NAN = np.uint16(0x7FC0)
+
 # frame kinds, tap -> worker
 STEP, CLOSE = "step", "close"
 # and worker -> tap
@@ -103,6 +109,22 @@ class StagingRing:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+
+
+def bf16_from_float32(values: np.ndarray) -> np.ndarray:
+    """bfloat16 bits of float32 ``values`` rounded to nearest even, as torch's cast rounds them."""
+    bits = values.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = _BF16_NAN
+    return rounded
+
+
+def unstage(block: np.ndarray, n: int, row_bytes: int, kind: str) -> np.ndarray:
+    """A staged hidden-state block of ``n`` rows of ``row_bytes`` as stored bytes (a copy):
+    uint8 [n, stored row bytes]."""
+    if kind == FLOAT32:
+        return bf16_from_float32(block.view(np.float32)).view(np.uint8).reshape(n, row_bytes // 2)
+    return block.reshape(n, row_bytes).copy()
 
 
 def pack_frame(message: tuple) -> bytes:

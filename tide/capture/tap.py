@@ -4,8 +4,9 @@
 1. looks up (or decides once, by hashing the request id) whether each request is sampled, and
    skips positions past ``max_tokens_per_request`` (the worker completes the record at the limit);
 2. reserves one block of the staging ring (``tide.capture.ring``) for the step and copies each
-   request's rows into it, cast to the storage dtype (bf16 stays bf16: one copy, no Python
-   serialisation);
+   request's rows into it: contiguous CPU rows of the stored dtype, float32 (bf16 storage) or
+   int64 ids with one memmove of their bytes (the worker casts: no torch call on the hot path);
+   anything else (GPU tensors, fp8 storage of float32 rows) cast by torch into the ring;
 3. writes one small frame (block position, request ids, positions; a request's metadata with
    its first step) to the worker's pipe: one atomic non-blocking write;
 4. when the ring or the pipe is full, or the worker is down, drops the step's captures, counts
@@ -20,6 +21,7 @@ to ``offer`` only once it has sent its first report (it is reading frames): whil
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import os
@@ -37,7 +39,20 @@ import torch
 import tide
 from tide import metrics
 from tide.capture.assembler import RequestMeta, StagedStep
-from tide.capture.ring import CLOSE, CLOSED, PIPE_BUF, STATS, STEP, StagingRing, align, pack_frame, write_frame
+from tide.capture.ring import (
+    CLOSE,
+    CLOSED,
+    FLOAT32,
+    INT64,
+    PIPE_BUF,
+    STATS,
+    STEP,
+    STORED,
+    StagingRing,
+    align,
+    pack_frame,
+    write_frame,
+)
 from tide.capture.sampling import SamplingPolicy
 from tide.capture.worker import config_json
 from tide.config import CaptureConfig, KafkaConfig
@@ -53,6 +68,8 @@ _ABORTED_PER_FRAME = 8  # so a frame stays under PIPE_BUF
 # frames are ~200 B: the default 64 KiB pipe holds only a few hundred steps, so a worker that is
 # briefly descheduled makes the tap drop; 1 MiB (Linux's default pipe-max-size) holds thousands
 _FRAMES_PIPE_BYTES = 1 << 20
+_TOKEN_SOURCES = {torch.int64: (INT64, 8), torch.int32: (STORED, 4)}
+_memmove = ctypes.memmove
 # python start-up and imports of the worker; generous because the machine may be loaded
 _WORKER_START_TIMEOUT_S = 30.0
 
@@ -133,6 +150,11 @@ class CaptureTap:
         self._lock = threading.Lock()  # offer vs. a worker restart (uncontended on the hot path)
         self._ring = StagingRing.create(config.staging_bytes)
         self._bytes = torch.frombuffer(self._ring.data, dtype=torch.uint8)
+        self._address = self._ring.data.ctypes.data
+        # source dtypes staged as raw bytes, which the worker turns into the stored dtype
+        self._sources = {self._dtype: (STORED, self._item)}
+        if self._dtype is torch.bfloat16:
+            self._sources[torch.float32] = (FLOAT32, 4)
         self._worker: _WorkerHandle | None = None
         self._worker = self._start_worker()
         self._reader = threading.Thread(target=self._supervise, name="tide-capture-reports", daemon=True)
@@ -173,13 +195,14 @@ class CaptureTap:
                 continue
             n = int(capture.token_ids.shape[0])
             state[_TOKENS] += n
-            aux_w = int(capture.aux_hidden.shape[-1]) * self._item
-            final_w = int(capture.final_hidden.shape[-1]) * self._item
+            plan = (self._plan(capture.token_ids, n, _TOKEN_SOURCES, 4),
+                    self._plan(capture.aux_hidden, n, self._sources, self._item),
+                    self._plan(capture.final_hidden, n, self._sources, self._item))
             meta = None if state[_META_SENT] else vars(capture.meta)
             entries.append((capture.meta.request_id, meta, capture.start_position, n, capture.is_prompt,
-                            capture.finished, size, aux_w, final_w))
-            staged.append((capture, size, n, state))
-            size += align(4 * n) + align(n * aux_w) + align(n * final_w)
+                            capture.finished, size) + tuple(p[:2] for p in plan))
+            staged.append((capture, size, n, state, plan))
+            size += sum(align(n * p[1]) for p in plan)
         if not entries:
             return
         worker = self._worker
@@ -189,9 +212,9 @@ class CaptureTap:
         if start is None:
             return self._drop(staged, "queue_full")
         base = self._ring.offset(start)
-        for capture, rel, n, _ in staged:
+        for capture, rel, n, _, plan in staged:
             if n:
-                self._copy_rows(capture, base + rel, n)
+                self._copy_rows(capture, base + rel, n, plan)
         aborted = self._aborted[:_ABORTED_PER_FRAME]
         frame = pack_frame((STEP, start, size, entries, aborted))
         if len(frame) > PIPE_BUF:
@@ -204,8 +227,8 @@ class CaptureTap:
             return self._drop(staged, "queue_full")
         self._ring.commit(start, size)
         del self._aborted[:len(aborted)]
-        for *_, state in staged:
-            state[_META_SENT] = True
+        for entry in staged:
+            entry[3][_META_SENT] = True
         self._sent_steps += 1
         metrics.CAPTURE_STEPS.inc(len(staged))
 
@@ -223,17 +246,34 @@ class CaptureTap:
             self._requests.pop(rid, None)
         return state
 
-    def _copy_rows(self, capture: StepCapture, at: int, n: int) -> None:
-        b = self._bytes
-        b[at:at + 4 * n].view(torch.int32).copy_(capture.token_ids.reshape(-1))
-        at += align(4 * n)
-        for rows in (capture.aux_hidden, capture.final_hidden):
-            width = int(rows.shape[-1]) * self._item
-            b[at:at + n * width].view(self._dtype).view(n, -1).copy_(rows)
-            at += align(n * width)
+    def _plan(self, t: torch.Tensor, n: int, raw: dict, cast_item: int) -> tuple[str, int, bool]:
+        """How one tensor is staged: (source kind for the worker, bytes per row, copied with memmove).
+        A CPU tensor of ``n`` contiguous rows whose dtype the worker can turn into the stored one is
+        copied as raw bytes (one memmove, no torch dispatch: a cold torch copy costs several times
+        as much); anything else is cast by torch into the ring and arrives as stored."""
+        shape = t.shape
+        width = shape[-1] if len(shape) > 1 else 1
+        kind = raw.get(t.dtype)
+        if kind is not None and t.is_cpu and len(shape) <= 2 and (n == 0 or t.is_contiguous()):
+            return kind[0], width * kind[1], True
+        return STORED, width * cast_item, False
+
+    def _copy_rows(self, capture: StepCapture, at: int, n: int, plan: tuple) -> None:
+        tokens, aux, final = plan
+        at = self._copy(capture.token_ids, at, n, tokens, torch.int32)
+        at = self._copy(capture.aux_hidden, at, n, aux, self._dtype)
+        self._copy(capture.final_hidden, at, n, final, self._dtype)
+
+    def _copy(self, t: torch.Tensor, at: int, n: int, plan: tuple, stored: torch.dtype) -> int:
+        _, width, raw = plan
+        if raw:
+            _memmove(self._address + at, t.data_ptr(), n * width)
+        else:
+            self._bytes[at:at + n * width].view(stored).view(n, -1).copy_(t.reshape(n, -1))
+        return at + align(n * width)
 
     def _drop(self, staged: list, reason: str) -> None:
-        for capture, _, _, state in staged:
+        for capture, _, _, state, _ in staged:
             self._break(capture.meta.request_id, state, worker_alive=reason != "worker_down")
         metrics.CAPTURE_DROPPED_STEPS.labels(reason).inc(len(staged))
 

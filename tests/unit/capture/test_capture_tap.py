@@ -4,11 +4,12 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from tide import metrics
-from tide.capture.ring import StagingRing
+from tide.capture.ring import StagingRing, bf16_from_float32
 from tide.capture.tap import CaptureTap
 from tide.config import CaptureConfig, KafkaConfig
 from tide.engine.base import CaptureMeta, StepCapture
@@ -41,6 +42,20 @@ def wait_for(cond, timeout_s, what):
 
 def quick(**kw):
     return CaptureConfig(connect_timeout_s=0.2, reconnect_backoff_s=0.2, **kw)
+
+
+def test_worker_bf16_rounding_matches_torchs_cast():
+    """The tap stages float32 rows raw; the worker's rounding must give torch's bf16 bits exactly."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (200_000,), dtype=torch.int64, generator=gen).to(torch.int32)
+    values = torch.cat([bits.view(torch.float32), torch.randn(10_000, generator=gen) * 1e-3,
+                        torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, 1e-45,
+                                      1.00390625, 1.01171875])])  # exact ties round to even
+    expected = values.to(torch.bfloat16)
+    got = torch.from_numpy(bf16_from_float32(values.numpy()).view(np.int16)).view(torch.bfloat16)
+    nan = torch.isnan(values)
+    assert torch.equal(got[~nan], expected[~nan])
+    assert torch.isnan(got[nan]).all() and nan.sum() > 100
 
 
 def test_ring_reserves_without_wrapping_and_refuses_when_full():
