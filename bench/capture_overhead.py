@@ -8,7 +8,8 @@ and the capture worker serialises and sends it to a real Kafka-protocol broker (
 ``--ingest`` also runs the ingest service (``python -m tide.services.ingest``) consuming the topic
 into Parquet in a temporary folder for the whole run: the deployment shape on one machine.
 ``--profile`` prints the CPU seconds each thread of this process used per mode (from
-/proc/self/task/*/stat) and, for capture on, the capture worker process's CPU seconds.
+/proc/self/task/*/stat), for capture on the capture worker process's CPU seconds, and the wall
+time of each ``offer`` call on the decode thread (its share of the rounds' wall time).
 
     python -m bench.capture_overhead [--concurrency 1,8] [--pairs 8] [--max-new-tokens 48]
                                      [--ingest] [--profile] [--json out.json]
@@ -83,6 +84,22 @@ def process_cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class TimedSink:
+    """The tap with each ``offer``'s wall time on the decode thread recorded (``--profile``)."""
+
+    def __init__(self, tap: CaptureTap) -> None:
+        self.tap, self.offer_s = tap, []
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self.tap.worker_pid
+
+    def offer(self, captures) -> None:
+        t0 = time.perf_counter()
+        self.tap.offer(captures)
+        self.offer_s.append(time.perf_counter() - t0)
+
+
 def run_round(engine, prompts, n) -> float:
     total, t0, lock = [0], time.perf_counter(), threading.Lock()
 
@@ -109,7 +126,10 @@ def measure(engine, tap, prompts, args, profile: dict) -> dict:
         for mode in (("off", "on") if p % 2 == 0 else ("on", "off")):
             engine.set_capture_sink(tap if mode == "on" else None)
             cpu0, w0 = thread_cpu_s(), process_cpu_s(tap.worker_pid) if mode == "on" else 0.0
+            t0 = time.perf_counter()
             (on if mode == "on" else off).append(run_round(engine, prompts, args.max_new_tokens))
+            profile[(mode, "<round wall time>")] = profile.get((mode, "<round wall time>"), 0.0) + (
+                time.perf_counter() - t0)
             cpu1 = thread_cpu_s()
             for name, value in cpu1.items():
                 key = (mode, name)
@@ -163,13 +183,15 @@ def main() -> int:
                                  draft_len=cfg.spec.draft_len, max_batch_size=max(levels),
                                  max_seq_len=cfg.model.max_seq_len)
         tap = CaptureTap(cfg.capture, cfg.kafka)
+        if args.profile:
+            tap = TimedSink(tap)
         results, profile = {}, {}
         try:
             for c in levels:
                 results[c] = measure(engine, tap, prompts[:c], args, profile)
         finally:
             engine.close()
-            tap.close(30)
+            (tap.tap if args.profile else tap).close(30)
         dropped, produced = _counter(metrics.CAPTURE_DROPPED_STEPS), _counter(metrics.CAPTURE_PRODUCED_RECORDS)
         rows = [("metric", "value"), ("pairs per concurrency (alternating)", args.pairs),
                 ("ingest service running", bool(args.ingest))]
@@ -182,6 +204,14 @@ def main() -> int:
         print_table("capture overhead (engine decode throughput)", rows)
         if args.profile:
             names = sorted({n for _, n in profile})
+            offers = sorted(tap.offer_s)
+            if offers:
+                q = statistics.quantiles(offers, n=100, method="inclusive") if len(offers) > 1 else [offers[0]] * 99
+                print_table("offer() on the decode thread (all concurrencies)", [("metric", "value"),
+                    ("calls", len(offers)), ("total s", f"{sum(offers):.3f}"),
+                    ("share of capture-on round wall time", f"{sum(offers) / profile[('on', '<round wall time>')]:.4f}"),
+                    ("median / p90 / p99 / max us", f"{statistics.median(offers) * 1e6:.0f} / {q[89] * 1e6:.0f} / "
+                     f"{q[98] * 1e6:.0f} / {offers[-1] * 1e6:.0f}")])
             print_table("CPU seconds per thread, summed over all rounds of a mode", [("thread", "off", "on")] + [
                 (n, f"{profile.get(('off', n), 0.0):.2f}", f"{profile.get(('on', n), 0.0):.2f}") for n in names])
         write_json(args.json, {"results": {str(c): r for c, r in results.items()}, "dropped_steps": dropped,
