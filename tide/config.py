@@ -130,7 +130,9 @@ class CaptureConfig:
     """Hidden-state capture (engine side) and its Kafka producer (address and topic: ``kafka``)."""
 
     enabled: bool = False
-    queue_max_items: int = 256
+    queue_max_items: int = 256  # staged steps the worker holds before its producer thread
+    # shared memory the tap stages step rows in for the capture worker; full -> steps dropped
+    staging_bytes: int = 32 * 1024 * 1024
     sample_fraction: float = 1.0
     max_tokens_per_request: int = 2048
     # per-workload sampling fractions, e.g. {"code": 0.5}; workloads not named use sample_fraction

@@ -69,7 +69,7 @@ HTTP_TTFT_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
 # --- capture (tide/capture/) --------------------------------------------------------------------
-CAPTURE_QUEUE_DEPTH = Gauge("tide_capture_queue_depth", "Steps waiting in the capture tap's queue")
+CAPTURE_QUEUE_DEPTH = Gauge("tide_capture_queue_depth", "Steps staged by the tap that the capture worker has not taken yet")
 CAPTURE_REQUESTS = Counter("tide_capture_requests_total",
                            "Requests seen by the tap, by sampling decision", ["decision"])
 CAPTURE_STEPS = Counter("tide_capture_enqueued_steps_total", "Step captures enqueued by the tap")
@@ -91,8 +91,14 @@ CAPTURE_PRODUCE_ERRORS = Counter("tide_capture_produce_errors_total",
                                  "Failed sends or deliveries, by error class", ["error"])
 CAPTURE_UNACKED_BYTES = Gauge("tide_capture_unacked_bytes", "Bytes sent but not yet acknowledged")
 CAPTURE_OPEN_REQUESTS = Gauge("tide_capture_open_requests",
-                              "Requests whose steps the producer thread is accumulating")
+                              "Requests whose steps the capture worker is accumulating")
 CAPTURE_BROKER_UP = Gauge("tide_capture_broker_connected", "1 while the producer has a broker")
+CAPTURE_WORKER_RESTARTS = Counter("tide_capture_worker_restarts_total",
+                                  "Capture worker processes that exited unasked and were restarted")
+# what the capture worker process counts; it reports them to the engine process, which serves them
+CAPTURE_WORKER_COUNTERS = (CAPTURE_DROPPED_RECORDS, CAPTURE_PRODUCED_RECORDS, CAPTURE_PRODUCED_MESSAGES,
+                           CAPTURE_PRODUCED_BYTES, CAPTURE_PRODUCED_TOKENS, CAPTURE_PRODUCE_ERRORS)
+CAPTURE_WORKER_GAUGES = (CAPTURE_UNACKED_BYTES, CAPTURE_OPEN_REQUESTS, CAPTURE_BROKER_UP)
 
 # --- ingest (tide/dataset/) -----------------------------------------------------------------------
 INGEST_MESSAGES = Counter("tide_ingest_messages_total", "Messages consumed, by outcome",

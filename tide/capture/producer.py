@@ -1,6 +1,7 @@
-"""The capture producer thread: queue of step captures -> records -> Kafka.
+"""The capture producer thread: queue of staged steps -> records -> Kafka.
 
-Loop steps (one background thread, never the engine's):
+Runs inside the capture worker process (``tide.capture.worker``), never in the engine's.
+Loop steps (one background thread of the worker):
 1. take a step from the tap's queue (short timeout so housekeeping runs when idle);
 2. add it to its request's ``PendingRequest``; abandon requests the tap marked broken, requests
    with a position gap, and requests idle for ``request_idle_timeout_s`` (all counted);
@@ -10,7 +11,7 @@ Loop steps (one background thread, never the engine's):
 4. bounded buffering: if the broker is unreachable (no client) or unacknowledged bytes exceed
    ``producer_buffer_bytes``, the whole record is dropped and counted. kafka-python 3 has no
    buffer_memory bound of its own, and its ``send`` can block up to ``max_block_ms``; either way
-   only this thread waits, and the tap drops (counted) when the queue fills meanwhile;
+   only this thread waits, and the tap drops (counted) when the staging ring fills meanwhile;
 5. a producer that cannot bootstrap is retried every ``reconnect_backoff_s``: capture resumes by
    itself when the broker returns.
 ``close`` drains the queue, sends what completed, and flushes within the time limit.
@@ -25,9 +26,8 @@ from collections import OrderedDict, deque
 from typing import Any, Callable
 
 from tide import metrics
-from tide.capture.assembler import GapError, PendingRequest, build_record
+from tide.capture.assembler import GapError, PendingRequest, StagedStep, build_record
 from tide.config import CaptureConfig, KafkaConfig
-from tide.engine.base import StepCapture
 from tide.records import RecordError, encode, split
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class _Delivery:
 class CaptureProducer:
     """Sends completed requests to ``kafka.topic`` (see the module's steps)."""
 
-    def __init__(self, config: CaptureConfig, kafka: KafkaConfig, source: "queue.Queue[StepCapture]",
+    def __init__(self, config: CaptureConfig, kafka: KafkaConfig, source: "queue.Queue[StagedStep]",
                  aborted: "deque[str]",
                  client_factory: Callable[[CaptureConfig, KafkaConfig], Any] = kafka_client) -> None:
         self.config = config
@@ -124,7 +124,7 @@ class CaptureProducer:
                 log.exception("capture producer step failed")
                 metrics.CAPTURE_PRODUCE_ERRORS.labels("internal").inc()
 
-    def _handle(self, step: StepCapture) -> None:
+    def _handle(self, step: StagedStep) -> None:
         self._drain_aborted()
         rid = step.meta.request_id
         if rid in self._discarded:

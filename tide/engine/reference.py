@@ -355,10 +355,12 @@ class ReferenceEngine(Engine):
             t_target = time.perf_counter()
             results = target_step(self.target, self._tcache, rows)
             self._policy.observe_target_step(len(rows), time.perf_counter() - t_target)
+        caps = []
         for s, res in zip(slots, results):
             r = self._running[s]
-            cap = StepCapture(r.meta, r.row.t_len, res.fed_tokens, res.aux_hidden, res.final_hidden,
-                              is_prompt=False)
+            if self._sink is not None and r.req.capture:
+                caps.append(StepCapture(r.meta, r.row.t_len, res.fed_tokens, res.aux_hidden,
+                                        res.final_hidden, is_prompt=False))
             r.hist_aux.append(res.aux_hidden)
             r.hist_tokens.extend(res.committed)
             if stats is None and self._drafter is not None:
@@ -367,7 +369,7 @@ class ReferenceEngine(Engine):
                 r.row.feed_start = r.row.t_len
             r.row.t_len += len(res.committed)
             r.row.pending = res.committed[-1]
-            self._capture([cap], r)
+        self._offer(caps)  # once per step, for all its requests
         self._record(version, results, stats, len(slots))
         for s, res in zip(slots, results):
             self._emit(s, res.committed)
@@ -413,8 +415,12 @@ class ReferenceEngine(Engine):
             metrics.ENGINE_ACCEPTED_TOKENS.labels(version).inc(sum(stats.accepted))
 
     def _capture(self, caps: list[StepCapture], r: _Running) -> None:
+        if r.req.capture:
+            self._offer(caps)
+
+    def _offer(self, caps: list[StepCapture]) -> None:
         sink = self._sink
-        if sink is None or not r.req.capture:
+        if sink is None or not caps:
             return
         try:
             sink.offer(caps)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tide.capture.assembler import GapError, PendingRequest, build_record
+from tide.capture.tap import stage
 from tide.engine.base import CaptureMeta, StepCapture
 from tide.records import decode, encode, hidden_to_float32
 
@@ -15,6 +16,11 @@ H = 8
 
 def meta(rid="r1"):
     return CaptureMeta(rid, "m", "v1", (1, 2, 3), "chat", 4, time.time())
+
+
+def add(pending, s, max_tokens, now_s, dtype="bfloat16"):
+    """As the worker gets it: rows cast and staged by the engine's tap."""
+    pending.add(stage(s, dtype), max_tokens, now_s)
 
 
 def step(m, start, n, prompt=False, finished=False):
@@ -27,7 +33,7 @@ def test_record_holds_every_position_in_order_with_loss_mask():
     steps = [step(m, 0, 4, prompt=True), step(m, 4, 2), step(m, 6, 3), step(m, 9, 0, finished=True)]
     pending = PendingRequest(m)
     for s in steps:
-        pending.add(s, 100, 0.0)
+        add(pending, s, 100, 0.0)
     assert pending.complete
     rec = decode(encode(build_record(pending, "bfloat16", 100)))
     assert rec.token_ids.tolist() == list(range(9))
@@ -41,17 +47,17 @@ def test_record_holds_every_position_in_order_with_loss_mask():
 def test_gap_is_detected():
     m = meta()
     pending = PendingRequest(m)
-    pending.add(step(m, 0, 4, prompt=True), 100, 0.0)
+    add(pending, step(m, 0, 4, prompt=True), 100, 0.0)
     with pytest.raises(GapError):
-        pending.add(step(m, 6, 1), 100, 0.0)
+        add(pending, step(m, 6, 1), 100, 0.0)
 
 
 def test_truncates_at_max_tokens():
     m = meta()
     pending = PendingRequest(m)
-    pending.add(step(m, 0, 4, prompt=True), 6, 0.0)
+    add(pending, step(m, 0, 4, prompt=True), 6, 0.0)
     assert not pending.complete
-    pending.add(step(m, 4, 3), 6, 0.0)
+    add(pending, step(m, 4, 3), 6, 0.0)
     assert pending.complete
     rec = build_record(pending, "bfloat16", 6)
     assert rec.num_tokens == 6 and rec.token_ids.tolist() == list(range(6))
@@ -62,7 +68,7 @@ def test_fp8_storage_matches_torch_cast():
     m = meta()
     pending = PendingRequest(m)
     s = step(m, 0, 5, prompt=True, finished=True)
-    pending.add(s, 100, 0.0)
+    add(pending, s, 100, 0.0, "float8_e4m3fn")
     rec = build_record(pending, "float8_e4m3fn", 100)
     got = hidden_to_float32(rec.final_hidden, "float8_e4m3fn", H)
     assert np.array_equal(got, s.final_hidden.to(torch.float8_e4m3fn).float().numpy())
@@ -71,7 +77,7 @@ def test_fp8_storage_matches_torch_cast():
 def test_mismatched_shapes_are_refused():
     m = meta()
     pending = PendingRequest(m)
-    pending.add(StepCapture(m, 0, torch.arange(3), torch.randn(3, 2 * H), torch.randn(3, H), True,
+    add(pending, StepCapture(m, 0, torch.arange(3), torch.randn(3, 2 * H), torch.randn(3, H), True,
                             True), 100, 0.0)
     with pytest.raises(ValueError, match=r"\[T, 3H\]"):
         build_record(pending, "bfloat16", 100)

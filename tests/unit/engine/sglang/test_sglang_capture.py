@@ -23,6 +23,7 @@ import torch
 from tide import metrics
 from tide.capture.assembler import PendingRequest, build_record
 from tide.capture.sampling import SamplingPolicy
+from tide.capture.tap import stage
 from tide.engine.base import GenerationRequest, SamplingParams, StepCapture
 from tide.engine.reference import ReferenceEngine
 from tide.engine.sglang import plugin
@@ -46,7 +47,7 @@ def records(steps: list[StepCapture]) -> dict:
     """What the producer makes of each request's steps (tide/capture/producer.py)."""
     pending: dict[str, PendingRequest] = {}
     for s in steps:
-        pending.setdefault(s.meta.request_id, PendingRequest(s.meta)).add(s, 10_000, 0.0)
+        pending.setdefault(s.meta.request_id, PendingRequest(s.meta)).add(stage(s, "bfloat16"), 10_000, 0.0)
     out = {}
     for rid, p in pending.items():
         assert p.complete, rid
