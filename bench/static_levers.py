@@ -27,16 +27,21 @@ import torch
 from tide import workloads
 from tide.config import load_config
 from tide.models.target import eos_ids_of, load_target
-from tide.train.static import StaticRecipe, build_drafter, fit, prompt_samples, training_samples
+from tide.train.static import SELF_GENERATED_RECIPE, StaticRecipe, build_drafter, fit, prompt_samples, training_samples
 from tide.train.trainer import evaluate
 
-# lever -> (self-generated share on, teacher-forced share on, target init on)
+# lever -> (self-generated share on, teacher-forced share on, recipe fields); intermediate_size
+# None is the target's width, so target init copies the whole MLP
+INIT = {"init_from_target": True, "intermediate_size": None}
 LEVERS = {
-    "baseline": (True, False, False),
-    "init": (True, False, True),
-    "teacher": (False, True, False),
-    "init+teacher": (False, True, True),
-    "init+teacher+gen": (True, True, True),
+    "baseline": (True, False, {}),
+    "init": (True, False, INIT),
+    "init-mlp1024": (True, False, {"init_from_target": True}),
+    "init-lr5e-4": (True, False, {**INIT, "lr": 5e-4}),
+    "teacher": (False, True, {}),
+    "init+teacher": (False, True, INIT),
+    "teacher+gen": (True, True, {}),
+    "init+teacher+gen": (True, True, INIT),
 }
 HELDOUT = ("chat", "code", "korean")
 
@@ -46,16 +51,15 @@ def heldout_prompts(kind: str, n: int, seed: int, home: Path):
 
 
 def recipe_of(args, lever: str) -> StaticRecipe:
-    gen, teacher, init = LEVERS[lever]
-    return replace(StaticRecipe(), train_prompts=args.gen_prompts if gen else 0,
-                   teacher_conversations=args.teacher if teacher else 0, init_from_target=init,
-                   intermediate_size=None if init else StaticRecipe().intermediate_size,
+    gen, teacher, fields = LEVERS[lever]
+    return replace(SELF_GENERATED_RECIPE, train_prompts=args.gen_prompts if gen else 0,
+                   teacher_conversations=args.teacher if teacher else 0, **fields,
                    epochs=1000, max_train_s=args.train_s, heldout_prompts=args.heldout)
 
 
 def stage_data(args, parts) -> None:
     target, tokenizer, eos, home, cache = parts
-    base = replace(StaticRecipe(), heldout_prompts=args.heldout)
+    base = replace(SELF_GENERATED_RECIPE, heldout_prompts=args.heldout)
     rows = {}
     for name, recipe in (("self-generated", replace(base, train_prompts=args.gen_prompts)),
                          ("teacher-forced", replace(base, train_prompts=0, teacher_conversations=args.teacher))):
@@ -91,8 +95,26 @@ def stage_run(args, parts) -> None:
         ev = evaluate(drafter, target.embed_weight, target.lm_head_weight, held[kind], recipe.gamma)
         row[kind] = round(ev.accept_length, 4)
         row[f"{kind}_positions"] = ev.positions
+        row[f"{kind}_per_prompt"] = [round(evaluate(drafter, target.embed_weight, target.lm_head_weight, [s],
+                                                    recipe.gamma).accept_length, 4) for s in held[kind]]
     print(json.dumps(row), flush=True)
     (cache / f"lever-{args.lever}.json").write_text(json.dumps(row, indent=1))
+
+
+def interval90(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """90% bootstrap interval of the mean over prompts (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.tensor(values)
+    means = x[torch.randint(len(x), (draws, len(x)), generator=g)].mean(1)
+    return float(means.quantile(0.05)), float(means.quantile(0.95))
+
+
+def cell(r: dict, kind: str) -> str:
+    """Pooled accept length, and the per-prompt mean's 90% interval where the run recorded it."""
+    if f"{kind}_per_prompt" not in r:
+        return f"{r[kind]:.3f}"
+    lo, hi = interval90(r[f"{kind}_per_prompt"])
+    return f"{r[kind]:.3f} [{lo:.2f}, {hi:.2f}]"
 
 
 def stage_table(args) -> None:
@@ -104,8 +126,8 @@ def stage_table(args) -> None:
         if name in rows:
             r = rows[name]
             ratio = f"{r['chat'] / base['chat']:.3f}" if base else "-"
-            print(f"| {name} | {r['loss_tokens']} | {r['train_s']} | {r['steps']} | {r['chat']:.3f} | "
-                  f"{r['code']:.3f} | {r['korean']:.3f} | {ratio} |")
+            print(f"| {name} | {r['loss_tokens']} | {r['train_s']} | {r['steps']} | {cell(r, 'chat')} | "
+                  f"{cell(r, 'code')} | {cell(r, 'korean')} | {ratio} |")
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,6 +83,8 @@ class StaticRecipe:
 
 # the old recipe, before target init and teacher forcing: kept reachable for comparisons
 SELF_GENERATED_RECIPE = StaticRecipe()
+# ``tide train --static --recipe NAME``
+RECIPES = {"default": StaticRecipe(), "self-generated": SELF_GENERATED_RECIPE}
 
 
 def save_samples(samples: list[Sample], path: Path) -> None:
@@ -89,7 +92,7 @@ def save_samples(samples: list[Sample], path: Path) -> None:
     for i, s in enumerate(samples):
         tensors.update({f"{i}.tokens": s.tokens, f"{i}.mask": s.loss_mask, f"{i}.aux": s.aux.contiguous(),
                         f"{i}.final": s.final.contiguous()})
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs may build the same cache at once
     save_file(tensors, str(tmp))
     tmp.replace(path)
 
