@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tide.config import load_config
@@ -24,7 +25,7 @@ def _config(args: argparse.Namespace, **overrides):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from tide.train.static import StaticRecipe, train_static
+    from tide.train.static import RECIPES, train_static
 
     cfg = _config(args)
     if args.online:
@@ -38,10 +39,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.static:
         print("choose --static, --online or --export-specforge DIR", file=sys.stderr)
         return 2
-    recipe = StaticRecipe()
+    recipe = RECIPES[args.recipe]
     if args.quick:
-        recipe = StaticRecipe(train_prompts=48, heldout_prompts=8, max_new_tokens=48, epochs=1,
-                              vocab_text_conversations=300)
+        recipe = replace(recipe, train_prompts=min(recipe.train_prompts, 48), heldout_prompts=8, max_new_tokens=48,
+                         epochs=1, vocab_text_conversations=300,
+                         teacher_conversations=min(recipe.teacher_conversations, 48), max_train_s=None)
     out = train_static(cfg, recipe, Path(args.out) if args.out else None)
     print(json.dumps(json.loads((out / "tide.json").read_text()), indent=2))
     print(f"static drafter written to {out}")
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train a drafter: the static one offline, or an online retrain")
     p.add_argument("--static", action="store_true", help="the static pre-trained drafter (ShareGPT English)")
     p.add_argument("--quick", action="store_true", help="a small, fast run (tests)")
+    p.add_argument("--recipe", choices=("default", "self-generated"), default="default",
+                   help="(--static) the recipe: today's, or the earlier self-generated-only one (comparisons)")
     p.add_argument("--out", help="output folder (default <home>/drafters/static)")
     p.add_argument("--online", action="store_true",
                    help="one retrain from the captured dataset: warm start from the champion, register a challenger")

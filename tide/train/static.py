@@ -1,20 +1,23 @@
 """The static pre-trained drafter: the recipe behind ``tide train --static``.
 
-Steps (each cached under ``<home>/train-cache`` so a re-run resumes):
-1. load the target and N ShareGPT English chat prompts (train split; the held-out split is what
-   benches and the demo use);
-2. let the target answer them (batched greedy, ``max_new_tokens``), keeping its states at every
-   fed position; prompts and answers both train (the loss covers all positions: the soft labels
-   are the target's own distribution either way);
-3. draft vocab = the most frequent tokens of ShareGPT English text (chat and code turns alike,
-   so later retrains on new traffic are not capped by the vocab) plus everything generated;
-4. train a fresh drafter (lm_head warm-started from the target's rows), evaluate on held-out
-   prompts, save it in the export layout with its metrics.
+Steps (target states cached under ``<home>/train-cache/static`` so a re-run resumes):
+1. load the target and the training text: ``train_prompts`` ShareGPT English chat prompts that
+   the target answers itself (batched greedy, ``max_new_tokens``) and ``teacher_conversations``
+   ShareGPT chat conversations (plus ``teacher_code_conversations`` code-workload ones) prefilled
+   with their recorded replies (``tide/train/teacher.py``: far more tokens per CPU-minute); the
+   held-out split is what benches and the demo use;
+2. draft vocab = the most frequent tokens of ShareGPT English text (chat and code turns alike,
+   so later retrains on new traffic are not capped by the vocab) plus all training tokens;
+3. a fresh drafter: lm_head and final norm from the target's, and with ``init_from_target`` its
+   mid layer from target layer ``init_layer`` (``tide/train/target_init.py``);
+4. train (optionally under a wall-time cap), evaluate on held-out self-generated answers, save it
+   in the export layout with its metrics.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +31,8 @@ from tide.drafter.static import cached_static_path
 from tide.models.target import eos_ids_of, load_target
 from tide.train.confidence import fit_confidence
 from tide.train.offline import corpus_counts, generate_samples, new_drafter, render_prompt
+from tide.train.target_init import init_from_target
+from tide.train.teacher import prompt_conversations, teacher_forced_samples
 from tide.train.trainer import Sample, evaluate, train
 
 log = logging.getLogger(__name__)
@@ -35,16 +40,31 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StaticRecipe:
+    # self-generated share: prompts the target answers itself (0: none)
     train_prompts: int = 1200
     heldout_prompts: int = 24
     max_prompt_tokens: int = 192
     max_new_tokens: int = 96
     # rows decoded together while generating: verify-sized GEMMs are cheap per row (oneDNN)
     generation_batch: int = 32
+    # teacher-forced share: ShareGPT chat / code-workload conversations prefilled with their
+    # recorded replies (0: none). Code stays 0 by default: the demo's shift is to code, and a
+    # static drafter already trained on it leaves online adaptation less to show
+    teacher_conversations: int = 0
+    teacher_code_conversations: int = 0
+    max_reply_tokens: int = 256
+    # rows per teacher-forced prefill: length-sorted, so padding stays small
+    teacher_batch_rows: int = 4
     vocab_text_conversations: int = 3000
     draft_vocab_size: int = 8192
-    intermediate_size: int = 1024
+    # None: the target's (a target-initialised mid layer then copies the whole MLP, not a slice)
+    intermediate_size: int | None = 1024
+    # the mid layer from this target layer (negative: from the end), else random
+    init_from_target: bool = False
+    init_layer: int = -1
     epochs: int = 3
+    # a cap on training wall time (the schedule shrinks to fit, tide/train/trainer.py); None: epochs
+    max_train_s: float | None = None
     lr: float = 2e-3
     batch_tokens: int = 1024
     ttt_length: int = 4
@@ -56,13 +76,23 @@ class StaticRecipe:
     # a calibrated confidence head (tide/train/confidence.py); off for the reason train.confidence_head is
     confidence_head: bool = False
 
+    @property
+    def max_len(self) -> int:
+        return self.max_prompt_tokens + max(self.max_new_tokens, self.max_reply_tokens)
+
+
+# the old recipe, before target init and teacher forcing: kept reachable for comparisons
+SELF_GENERATED_RECIPE = StaticRecipe()
+# ``tide train --static --recipe NAME``
+RECIPES = {"default": StaticRecipe(), "self-generated": SELF_GENERATED_RECIPE}
+
 
 def save_samples(samples: list[Sample], path: Path) -> None:
     tensors = {}
     for i, s in enumerate(samples):
         tensors.update({f"{i}.tokens": s.tokens, f"{i}.mask": s.loss_mask, f"{i}.aux": s.aux.contiguous(),
                         f"{i}.final": s.final.contiguous()})
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs may build the same cache at once
     save_file(tensors, str(tmp))
     tmp.replace(path)
 
@@ -74,61 +104,133 @@ def load_samples(path: Path) -> list[Sample]:
             for i in range(n)]
 
 
-def prompt_samples(target, tokenizer, eos, prompts, recipe: StaticRecipe, cache: Path, name: str,
-                   train_on_prompt: bool) -> list[Sample]:
-    path = cache / f"{name}.safetensors"
+def cached(path: Path, build) -> tuple[list[Sample], float]:
+    """Samples from ``path`` or built (and saved); with the seconds building took (0 if cached)."""
     if path.exists():
-        samples = load_samples(path)
-    else:
-        ids = [render_prompt(tokenizer, p.chat_messages(), recipe.max_prompt_tokens) for p in prompts]
-        samples = generate_samples(target, ids, recipe.max_new_tokens, eos, batch_size=recipe.generation_batch)
+        return load_samples(path), 0.0
+    start = time.monotonic()
+    samples = build()
+    spent = time.monotonic() - start
+    if samples:
         save_samples(samples, path)
+    return samples, spent
+
+
+def prompt_samples(target, tokenizer, eos, prompts, recipe: StaticRecipe, cache: Path, name: str,
+                   train_on_prompt: bool, max_new_tokens: int | None = None) -> list[Sample]:
+    """Self-generated samples: the target answers ``prompts`` (cached as ``name``)."""
+    new_tokens = max_new_tokens or recipe.max_new_tokens
+
+    def build():
+        ids = [render_prompt(tokenizer, p.chat_messages(), recipe.max_prompt_tokens) for p in prompts]
+        return generate_samples(target, ids, new_tokens, eos, batch_size=recipe.generation_batch)
+
+    samples, _ = cached(cache / f"{name}.safetensors", build)
     if train_on_prompt:
         for s in samples:
             s.loss_mask = torch.ones_like(s.loss_mask)
     return samples
 
 
-def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = None) -> Path:
+def teacher_samples(target, tokenizer, prompts, recipe: StaticRecipe, cache: Path, name: str) -> list[Sample]:
+    """Teacher-forced samples over ``prompts``' recorded replies (cached as ``name``)."""
+    end_ids = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+
+    def build():
+        convs = prompt_conversations(tokenizer, prompts, recipe.max_prompt_tokens, recipe.max_reply_tokens, end_ids)
+        return teacher_forced_samples(target, convs, recipe.teacher_batch_rows, pad_id=end_ids[0])
+
+    return cached(cache / f"{name}.safetensors", build)[0]
+
+
+def training_samples(target, tokenizer, eos, recipe: StaticRecipe, cache: Path, home: Path) -> list[Sample]:
+    """The self-generated share then the teacher-forced shares, as the recipe sizes them."""
     from tide import workloads
 
-    torch.manual_seed(recipe.seed)
-    target, tokenizer, folder = load_target(cfg)
-    eos = eos_ids_of(tokenizer, folder)
-    cache = cfg.home_path / "train-cache" / "static"
-    cache.mkdir(parents=True, exist_ok=True)
-    home = cfg.home_path
-    train_prompts = workloads.sharegpt("train", recipe.train_prompts, recipe.seed, kind="chat", home=home)
-    held = workloads.sharegpt("heldout", recipe.heldout_prompts, recipe.seed, kind="chat", home=home)
-    t0 = time.monotonic()
-    samples = prompt_samples(target, tokenizer, eos, train_prompts, recipe, cache, f"train-{recipe.train_prompts}x{recipe.max_new_tokens}",
-                             recipe.train_on_prompt)
-    held_samples = prompt_samples(target, tokenizer, eos, held, recipe, cache, f"heldout-{recipe.heldout_prompts}x{recipe.max_new_tokens}", False)
-    gen_s = time.monotonic() - t0
+    samples: list[Sample] = []
+    if recipe.train_prompts:
+        prompts = workloads.sharegpt("train", recipe.train_prompts, recipe.seed, kind="chat", home=home)
+        samples += prompt_samples(target, tokenizer, eos, prompts, recipe, cache,
+                                  f"train-{recipe.train_prompts}x{recipe.max_new_tokens}", recipe.train_on_prompt)
+    # teacher conversations come from the train split's far end, so they never repeat the prompts
+    # the target answered itself (select() orders the split by seed; taking a larger n keeps the head)
+    if recipe.teacher_conversations:
+        n = recipe.train_prompts + recipe.teacher_conversations
+        prompts = workloads.sharegpt("train", n, recipe.seed, kind="chat", home=home)[recipe.train_prompts:]
+        samples += teacher_samples(target, tokenizer, prompts, recipe, cache,
+                                   f"teacher-chat-{recipe.train_prompts}+{recipe.teacher_conversations}"
+                                   f"x{recipe.max_prompt_tokens}+{recipe.max_reply_tokens}")
+    if recipe.teacher_code_conversations:
+        prompts = workloads.code("train", recipe.teacher_code_conversations, recipe.seed, home=home)
+        samples += teacher_samples(target, tokenizer, prompts, recipe, cache,
+                                   f"teacher-code-{recipe.teacher_code_conversations}"
+                                   f"x{recipe.max_prompt_tokens}+{recipe.max_reply_tokens}")
+    return samples
+
+
+def build_drafter(target, tokenizer, eos, recipe: StaticRecipe, samples: list[Sample], home: Path):
+    """The untrained drafter: draft vocab from text + samples, weights as the recipe says."""
+    from tide import workloads
+
     texts = [t for kind in ("chat", "code")
              for p in workloads.sharegpt("train", recipe.vocab_text_conversations, recipe.seed, kind=kind, home=home)
              for t in (p.chat_messages()[-1]["content"], p.reference or "")]
     counts = corpus_counts(tokenizer, texts, target.shape.vocab_size, samples)
     drafter = new_drafter(target, recipe.draft_vocab_size, counts.counts, recipe.intermediate_size,
                           always_ids=eos, seed=recipe.seed)
+    if recipe.init_from_target:
+        init_from_target(drafter, target, recipe.init_layer)
+    return drafter
+
+
+def fit(drafter, target, samples: list[Sample], held_samples: list[Sample], recipe: StaticRecipe,
+        progress: bool = True):
+    """Train ``drafter`` in place; (result, held-out eval before, after)."""
     embed, head = target.embed_weight, target.lm_head_weight
     before = evaluate(drafter, embed, head, held_samples, recipe.gamma)
-    result = train(drafter, embed, head, samples, epochs=recipe.epochs, lr=recipe.lr,
-                   batch_tokens=recipe.batch_tokens, max_len=recipe.max_prompt_tokens + recipe.max_new_tokens,
-                   ttt_length=recipe.ttt_length, step_weight=0.8, seed=recipe.seed)
     # (the trainer defaults: SpecForge's soft cross-entropy only, lm_head trained)
+    result = train(drafter, embed, head, samples, epochs=recipe.epochs, lr=recipe.lr,
+                   batch_tokens=recipe.batch_tokens, max_len=recipe.max_len, ttt_length=recipe.ttt_length,
+                   step_weight=0.8, seed=recipe.seed, max_wall_s=recipe.max_train_s, progress=progress)
     after = evaluate(drafter, embed, head, held_samples, recipe.gamma)
+    return result, before, after
+
+
+def heldout_chat(target, tokenizer, eos, recipe: StaticRecipe, cache: Path, home: Path) -> list[Sample]:
+    from tide import workloads
+
+    held = workloads.sharegpt("heldout", recipe.heldout_prompts, recipe.seed, kind="chat", home=home)
+    return prompt_samples(target, tokenizer, eos, held, recipe, cache,
+                          f"heldout-{recipe.heldout_prompts}x{recipe.max_new_tokens}", False)
+
+
+def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = None,
+                 cache: Path | None = None) -> Path:
+    torch.manual_seed(recipe.seed)
+    target, tokenizer, folder = load_target(cfg)
+    eos = eos_ids_of(tokenizer, folder)
+    cache = cache or cfg.home_path / "train-cache" / "static"
+    cache.mkdir(parents=True, exist_ok=True)
+    home = cfg.home_path
+    t0 = time.monotonic()
+    samples = training_samples(target, tokenizer, eos, recipe, cache, home)
+    held_samples = heldout_chat(target, tokenizer, eos, recipe, cache, home)
+    data_s = time.monotonic() - t0
+    drafter = build_drafter(target, tokenizer, eos, recipe, samples, home)
+    result, before, after = fit(drafter, target, samples, held_samples, recipe)
     log.info("static drafter: simulated accept length %.3f -> %.3f", before.accept_length, after.accept_length)
     confidence = {}
     if recipe.confidence_head:
+        embed, head = target.embed_weight, target.lm_head_weight
         conf_head, confidence = fit_confidence(drafter, embed, head, samples, held_samples, depth=recipe.gamma,
-                                          batch_tokens=recipe.batch_tokens, seed=recipe.seed)
+                                               batch_tokens=recipe.batch_tokens, seed=recipe.seed)
         drafter.confidence = frozen(conf_head)
     meta = {
         "version": "static",
         "recipe": asdict(recipe),
         "train_tokens": sum(len(s) for s in samples),
-        "generation_s": round(gen_s, 1),
+        "loss_tokens": int(sum(float(s.loss_mask.sum()) for s in samples)),
+        "generation_s": round(data_s, 1),
         "train_s": round(result.wall_s, 1),
         "final_loss": result.loss_curve[-1] if result.loss_curve else None,
         "heldout_sim_accept_length": round(after.accept_length, 4),
