@@ -7,6 +7,8 @@ one changes what older records, result files, registry tags or dashboards mean.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # --- capture records (tide/records.py encodes them; ingest, the dataset and training read them) ---
 # bytes per stored hidden-state value, by storage dtype name
 HIDDEN_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1}
@@ -57,3 +59,17 @@ TAG_PARENT_SIM_ACCEPT = "tide.parent_sim_accept_length"  # its parent, same slic
 TAG_ROLLED_BACK = "tide.rolled_back"  # set on the version a rollback moved away from (its reason)
 TAG_HOST, TAG_PID = "tide.host", "tide.pid"  # who holds a pending registration
 OP_TAG_PREFIX = "tide.op."  # registered-model tags: one per promote/rollback
+
+
+# --- a captured request's facts (the engine's tap writes them, the capture worker reads them) ---
+@dataclass(frozen=True)
+class CaptureMeta:
+    """Request-level facts a capture record needs; shared by all of a request's steps."""
+
+    request_id: str
+    target_model_id: str
+    drafter_version: str
+    aux_layer_ids: tuple[int, ...]
+    workload: str | None
+    prompt_len: int
+    started_at_s: float

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tide.contracts import HIDDEN_ITEMSIZE
+from tide.contracts import HIDDEN_ITEMSIZE, CaptureMeta
 from tide.records import Record
 
 
@@ -24,24 +24,11 @@ class GapError(ValueError):
     """A step does not start where the previous one ended."""
 
 
-@dataclass(frozen=True)
-class RequestMeta:
-    """Request-level facts a record needs (the worker-side twin of ``engine.base.CaptureMeta``)."""
-
-    request_id: str
-    target_model_id: str
-    drafter_version: str
-    aux_layer_ids: tuple[int, ...]
-    workload: str | None
-    prompt_len: int
-    started_at_s: float
-
-
 @dataclass
 class StagedStep:
     """One request's committed positions of one step, as raw storage-dtype rows."""
 
-    meta: RequestMeta
+    meta: CaptureMeta
     start_position: int
     token_ids: np.ndarray  # int32 [n]
     aux_hidden: np.ndarray  # uint8 [n, 3H * itemsize]
@@ -52,7 +39,7 @@ class StagedStep:
 
 @dataclass
 class PendingRequest:
-    meta: RequestMeta
+    meta: CaptureMeta
     steps: list[StagedStep] = field(default_factory=list)
     tokens: int = 0
     next_position: int = -1

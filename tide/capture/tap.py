@@ -38,7 +38,7 @@ import torch
 
 import tide
 from tide import metrics
-from tide.capture.assembler import RequestMeta, StagedStep
+from tide.capture.assembler import StagedStep
 from tide.capture.ring import (
     CLOSE,
     CLOSED,
@@ -81,7 +81,7 @@ def stage(capture: StepCapture, hidden_dtype: str) -> StagedStep:
     def raw(t: torch.Tensor) -> np.ndarray:
         rows = t.detach().to(device="cpu", dtype=dtype).contiguous().view(bits).numpy().view(np.uint8)
         return rows.reshape(int(t.shape[0]), int(t.shape[-1]) * HIDDEN_ITEMSIZE[hidden_dtype]).copy()
-    return StagedStep(RequestMeta(**vars(capture.meta)), capture.start_position,
+    return StagedStep(capture.meta, capture.start_position,
                       capture.token_ids.detach().cpu().numpy().astype(np.int32), raw(capture.aux_hidden),
                       raw(capture.final_hidden), capture.is_prompt, capture.finished)
 

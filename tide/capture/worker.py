@@ -31,10 +31,11 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from tide import metrics
-from tide.capture.assembler import RequestMeta, StagedStep
+from tide.capture.assembler import StagedStep
 from tide.capture.producer import CaptureProducer
 from tide.capture.ring import CLOSE, CLOSED, INT64, STATS, STEP, StagingRing, align, unstage
 from tide.config import CaptureConfig, KafkaConfig
+from tide.contracts import CaptureMeta
 
 log = logging.getLogger("tide.capture.worker")
 
@@ -66,7 +67,7 @@ class Worker:
         self.source: queue.Queue[StagedStep] = queue.Queue(maxsize=max(1, config.queue_max_items))
         self.aborted: deque[str] = deque()
         self.producer = CaptureProducer(config, kafka, self.source, self.aborted)
-        self.metas: OrderedDict[str, RequestMeta] = OrderedDict()
+        self.metas: OrderedDict[str, CaptureMeta] = OrderedDict()
         self.consumed_steps = 0
 
     def run(self) -> None:
@@ -107,7 +108,7 @@ class Worker:
         """One entry's rows out of the ring; ``layout``: (kind, bytes per row) of the token ids,
         aux and final blocks, which follow one another at aligned offsets."""
         if meta is not None:
-            self.metas[rid] = RequestMeta(**meta)
+            self.metas[rid] = CaptureMeta(**meta)
             if len(self.metas) > _MAX_METAS:
                 self.metas.popitem(last=False)
         request = self.metas.pop(rid, None) if finished else self.metas.get(rid)

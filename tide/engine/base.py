@@ -13,6 +13,8 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from tide.contracts import CaptureMeta  # noqa: F401  (engines and sinks take it from here)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -44,19 +46,6 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class CaptureMeta:
-    """Request-level facts a capture record needs; shared by all of a request's steps."""
-
-    request_id: str
-    target_model_id: str
-    drafter_version: str
-    aux_layer_ids: tuple[int, ...]
-    workload: str | None
-    prompt_len: int
-    started_at_s: float
 
 
 @dataclass

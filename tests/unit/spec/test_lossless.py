@@ -13,6 +13,17 @@ def _prompts(vocab: int, n: int, seed: int = 0):
             for _ in range(n)]
 
 
+def _assert_same_distribution(spec: dict, plain: dict, n: int) -> None:
+    """Chi-square over the tokens both samplers drew often enough: one distribution, not two."""
+    from scipy.stats import chi2_contingency  # (scipy only for these tests)
+
+    common = [k for k in set(spec) | set(plain) if spec.get(k, 0) + plain.get(k, 0) >= 20]
+    table = [[spec.get(k, 0) for k in common] + [n - sum(spec.get(k, 0) for k in common)],
+             [plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)]]
+    assert len(common) >= 2, (spec, plain)
+    assert chi2_contingency(table).pvalue > 1e-3, table
+
+
 @pytest.mark.parametrize("gamma,stop_prob", [(1, 0.0), (3, 0.0), (6, 0.0), (4, 0.05), (6, 0.5)])
 def test_greedy_identical_to_target_only(tiny_target, tiny_drafter, gamma, stop_prob):
     for prompt in _prompts(tiny_target.shape.vocab_size, 12, seed=gamma):
@@ -111,8 +122,6 @@ def test_rejection_sampling_with_top_k_follows_the_top_k_distribution():
 def test_sampled_generation_distribution_matches_target_only(tiny_target, tiny_drafter):
     """End to end on the tiny model: the 2nd generated token (produced by a spec step) has the
     same distribution with and without the drafter (two-sample chi-square, rare tokens pooled)."""
-    from scipy.stats import chi2_contingency
-
     prompt = [5, 17, 33, 2, 9]
     n = 600
     spec, plain = {}, {}
@@ -123,11 +132,7 @@ def test_sampled_generation_distribution_matches_target_only(tiny_target, tiny_d
         b, _ = generate(tiny_target, None, prompt, 2, temperature=0.4, seed=10_000 + seed)
         spec[a[1]] = spec.get(a[1], 0) + 1
         plain[b[1]] = plain.get(b[1], 0) + 1
-    common = [k for k in set(spec) | set(plain) if spec.get(k, 0) + plain.get(k, 0) >= 20]
-    table = [[spec.get(k, 0) for k in common] + [n - sum(spec.get(k, 0) for k in common)],
-             [plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)]]
-    assert len(common) >= 2, (spec, plain)
-    assert chi2_contingency(table).pvalue > 1e-3, table
+    _assert_same_distribution(spec, plain, n)
 
 
 def _cost_engine(tiny_target, tiny_drafter, **kw):
@@ -174,8 +179,6 @@ def test_greedy_identical_to_target_only_with_the_cost_scheduler(tiny_target, ti
 def test_sampled_distribution_matches_target_only_with_the_cost_scheduler(tiny_target, tiny_drafter):
     """The 2nd generated token of many seeded requests through the engine with the cost scheduler
     (truncated drafts, rejection sampling) against target-only sampling (two-sample chi-square)."""
-    from scipy.stats import chi2_contingency
-
     from tide.engine.base import GenerationRequest, SamplingParams
 
     prompt, n = (5, 17, 33, 2, 9), 600
@@ -193,8 +196,4 @@ def test_sampled_distribution_matches_target_only_with_the_cost_scheduler(tiny_t
         b, _ = generate(tiny_target, None, list(prompt), 2, temperature=0.4, seed=10_000 + seed)
         spec[a[1]] = spec.get(a[1], 0) + 1
         plain[b[1]] = plain.get(b[1], 0) + 1
-    common = [k for k in set(spec) | set(plain) if spec.get(k, 0) + plain.get(k, 0) >= 20]
-    table = [[spec.get(k, 0) for k in common] + [n - sum(spec.get(k, 0) for k in common)],
-             [plain.get(k, 0) for k in common] + [n - sum(plain.get(k, 0) for k in common)]]
-    assert len(common) >= 2, (spec, plain)
-    assert chi2_contingency(table).pvalue > 1e-3, table
+    _assert_same_distribution(spec, plain, n)
