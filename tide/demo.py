@@ -58,6 +58,9 @@ class DemoSettings:
     swap_timeout_s: float = 20 * 60  # shift -> the engine serves a retrained drafter
     after_timeout_s: float = 5 * 60  # swap -> enough live and dashboard evidence of it
     not_promoted_grace_s: float = 30.0  # a finished retrain's challenger may still be swapping in
+    # a challenger the policy refused is not the end of the loop: the next retrain sees more of the
+    # new traffic; the demo gives up after this many finished retrains without a swap (or the timeout)
+    max_unpromoted_retrains: int = 2
     # the challenger must beat the champion's held-out sim accept length by this fraction to go in
     # (the default policy asks 5%, which a short demo's retrain can fall just short of)
     promote_margin: float = 0.02
@@ -68,7 +71,7 @@ class DemoSettings:
         # (6k left ~4k, a minority of the training requests, and a challenger no better)
         return cls(before_requests=8, after_requests=12, after_min_forwards=600, concurrency=6,
                    max_tokens=48, retrain_min_tokens=7_500, retrain_max_train_tokens=8_000, retrain_max_s=120.0,
-                   compare_prompts=4, compare_max_tokens=32, swap_timeout_s=8 * 60, after_timeout_s=3 * 60,
+                   compare_prompts=4, compare_max_tokens=32, swap_timeout_s=12 * 60, after_timeout_s=3 * 60,
                    # a handful of held-out requests: a 2% margin on them is within their noise, so the
                    # quick run promotes any challenger that is not worse
                    promote_margin=0.0)
@@ -244,10 +247,12 @@ class LoopWatch:
             return (f"no swap within {s.swap_timeout_s:.0f} s of the shift ("
                     + loop_status(self.stack.endpoints["ingest metrics"], self.stack.endpoints["scheduler metrics"])
                     + ")")
-        if _retrains_finished(self.stack) >= 1:
+        finished = _retrains_finished(self.stack)
+        if finished >= s.max_unpromoted_retrains:
             self._finished_at = self._finished_at or now
             if now - self._finished_at > s.not_promoted_grace_s:
-                return "a retrain finished but its challenger was not promoted (held-out metrics: registry_versions)"
+                return (f"{finished} retrains finished but no challenger was promoted "
+                        "(held-out metrics: registry_versions)")
         return None
 
     def _check_after_swap(self, now: float) -> None:
