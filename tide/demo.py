@@ -19,7 +19,6 @@ The shift is written to the page's marks file (``<home>/run/marks.jsonl``): noth
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 from dataclasses import dataclass
@@ -27,9 +26,10 @@ from pathlib import Path
 
 import httpx
 
-from tide import prometheus, workloads
+from tide import prometheus
+from tide.comparison import SERVED_SCHEDULER, comparison, download, load_prompts, say
 from tide.metrics import SCHED_RETRAINS_FINISHED
-from tide.report import compare, plot_acceptance, ratio_interval, write_summary
+from tide.report import plot_acceptance, speculation_timeline, timeline_lines, write_summary
 from tide.services import page_data
 from tide.stack import Stack, StackOptions
 from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_value, replay, scrape
@@ -77,14 +77,6 @@ class DemoSettings:
                    promote_margin=0.0)
 
 
-def _say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _load(name_or_path: str, split: str, n: int, seed: int):
-    return workloads.load_workload(name_or_path, split, n, seed=seed)
-
-
 def _champion(engine_url: str) -> str:
     return httpx.get(f"{engine_url}/health", timeout=5).json().get("drafter_version", "?")
 
@@ -100,10 +92,12 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
         "ops": {"auto_promote": True, "auto_promote_margin": settings.promote_margin, "poll_interval_s": 3,
                 "guard_window_forwards": 100},
         "ingest": {"roll_interval_s": 10},
+        # speculation only where it pays, per workload; the report says when it was on or off and why
+        "spec": {"scheduler": SERVED_SCHEDULER},
     }
     stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides, ports=ports or {}))
     page_data.marks_path(home).unlink(missing_ok=True)  # a previous run's shift is not this one's
-    _say(f"starting {', '.join(stack.parts)} ...")
+    say(f"starting {', '.join(stack.parts)} ...")
     stack.start()
     try:
         summary = _run_loop(stack, home, report_dir, settings, before, after, tracking_uri, t_start, keep_up)
@@ -119,25 +113,25 @@ def _keep_up(stack: Stack) -> None:
     """Leave the stack serving (its page shows the run) until Ctrl-C / SIGTERM (``tide demo``
     turns SIGTERM into KeyboardInterrupt)."""
     try:  # the line a script waits for: a SIGTERM from then on is a clean stop
-        _say("the stack stays up (--keep-up); Ctrl-C stops it:\n" + stack.describe())
+        say("the stack stays up (--keep-up); Ctrl-C stops it:\n" + stack.describe())
         threading.Event().wait()
     except KeyboardInterrupt:
-        _say("stopping ...")
+        say("stopping ...")
     finally:
         stack.stop()
 
 
 def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings, before: str, after: str,
               tracking_uri: str, t_start: float, keep_up: bool) -> dict:
-    _say("TIDE is up:\n" + stack.describe())
+    say("TIDE is up:\n" + stack.describe())
     url = stack.endpoints["engine"]
     static_version = _champion(url)
     sampler = AcceptanceSampler(f"{url}/metrics", interval_s=5).start()
     summary: dict = {"settings": settings.__dict__, "endpoints": stack.endpoints, "static_version": static_version}
     swaps: list[tuple[float, str]] = []  # (t_s on the sampler's clock, version)
     try:
-        before_prompts = _load(before, "heldout", settings.before_requests + settings.compare_prompts, 11)
-        after_prompts = _load(after, "train", None, 12)  # cycled: phase 2 ends on events
+        before_prompts = load_prompts(before, "heldout", settings.before_requests + settings.compare_prompts, 11)
+        after_prompts = load_prompts(after, "train", None, 12)  # cycled: phase 2 ends on events
         printed: dict[int, int] = {}  # per traffic phase: the request count last reported
         printed_lock = threading.Lock()
 
@@ -149,23 +143,23 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
                 printed[id(res)] = sent = res.sent
             live = sampler.recent(version)
             accept = f"{live:.2f} tokens/forward" if live is not None else "-"
-            _say(f"  {sent} requests, {res.failed} failed | drafter {version}: {accept} (last 30 s) | "
+            say(f"  {sent} requests, {res.failed} failed | drafter {version}: {accept} (last 30 s) | "
                  + loop_status(stack.endpoints["ingest metrics"], stack.endpoints["scheduler metrics"]))
 
-        _say(f"phase 1: {settings.before_requests} '{before}' requests (drafter {static_version})")
+        say(f"phase 1: {settings.before_requests} '{before}' requests (drafter {static_version})")
         r1 = replay(url, before_prompts[settings.compare_prompts:], settings.concurrency, settings.max_tokens,
                     on_done=lambda res: status(res, static_version))
         sampler.sample()
         sampler.mark(f"shift to {after}")
         page_data.write_mark(home, "shift", f"shift to {after}")
         t_shift = time.monotonic()
-        _say(f"phase 2: shift to '{after}'; waiting for retrain + swap")
+        say(f"phase 2: shift to '{after}'; waiting for retrain + swap")
         watch = LoopWatch(stack, sampler, static_version, settings, t_shift)
         r2 = replay(url, itertools.cycle(after_prompts), settings.concurrency, settings.max_tokens,
                     until=watch.done, on_done=lambda res: status(res, watch.on_done()))
         swaps = watch.swaps
         summary["loop"] = watch.outcome()
-        _say("loop closed: " + watch.evidence() if watch.closed else f"loop NOT closed: {watch.reason}")
+        say("loop closed: " + watch.evidence() if watch.closed else f"loop NOT closed: {watch.reason}")
         summary["traffic"] = {"before": _traffic(r1), "after": _traffic(r2)}
         summary["retrains_finished"] = _retrains_finished(stack)
         summary["registry_versions"] = _versions(stack)
@@ -173,8 +167,9 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
     finally:
         sampler.stop()
         adapted = _champion(url) if stack.services else static_version
+        summary["speculation"] = _speculation(stack, time.time() - (time.monotonic() - sampler.t0))
         summary["dashboard"] = _dashboard(stack, time.monotonic() - t_start)
-        adapted_folder = (_download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
+        adapted_folder = (download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
                           if adapted != static_version else None)  # no swap happened: nothing adapted to compare
         if not keep_up:
             stack.stop()
@@ -182,12 +177,12 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
     summary["adapted_version"] = adapted
     summary["live"] = _live(sampler, static_version, adapted)
     plot_acceptance(sampler, report_dir / "acceptance.png", f"TIDE demo: '{before}' then '{after}'")
-    _say("controlled comparison " + ("(the kept-up stack runs beside it: tokens/s are shared) ..." if keep_up
+    say("controlled comparison " + ("(the kept-up stack runs beside it: tokens/s are shared) ..." if keep_up
                                      else "(nothing else running) ..."))
-    summary["comparison"] = _comparison(home, adapted_folder, before, after, settings)
+    summary["comparison"] = comparison(home, adapted_folder, before, after, settings)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)
     write_summary(report_dir / "summary.json", summary)
-    _say(f"report: {report_dir}/summary.json, {report_dir}/acceptance.png")
+    say(f"report: {report_dir}/summary.json, {report_dir}/acceptance.png")
     return summary
 
 
@@ -221,7 +216,7 @@ class LoopWatch:
             if version != self.version:
                 self.swaps.append((time.monotonic() - self.sampler.t0, version))
                 self.sampler.mark(f"swap to v{version}")
-                _say(f"engine now serves drafter {version}")
+                say(f"engine now serves drafter {version}")
                 self.version, self.t_swap = version, time.monotonic()
             if version != self.static_version:
                 self.served_after += 1
@@ -316,6 +311,19 @@ def _dashboard(stack: Stack, window_s: float) -> dict:
     return {"prometheus": base, "series": prometheus.ACCEPT_SERIES, "accept_length_by_version": by_version}
 
 
+def _speculation(stack: Stack, t0_unix: float) -> dict:
+    """Per workload, when the serving engine's speculation was on or off and why (its gate's
+    changes, timed from traffic start), from the engine's control health view."""
+    try:
+        body = httpx.get(f"{stack.endpoints['engine']}/control/health", timeout=10,
+                         headers={"Authorization": f"Bearer {stack.control_token}"}).json()["engine"]
+    except Exception as exc:  # reported, not fatal: the report still gets written
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    timeline = speculation_timeline(body.get("speculation_events", []), t0_unix)
+    say("speculation by workload (seconds from traffic start):\n  " + "\n  ".join(timeline_lines(timeline)))
+    return {"scheduler": body.get("scheduler"), "now": body.get("speculation"), "timeline": timeline}
+
+
 def _traffic(r: TrafficResult) -> dict:
     return {"sent": r.sent, "ok": r.ok, "failed": r.failed, "completion_tokens": r.completion_tokens,
             "errors": r.errors[:5]}
@@ -330,59 +338,3 @@ def _live(sampler: AcceptanceSampler, static_version: str, adapted: str) -> dict
         "after_shift_adapted": sampler.mean_between(shift_t or 0, end, adapted) if adapted != static_version else None,
         "points": [p.__dict__ for p in sampler.points],
     }
-
-
-def _download(home: Path, tracking_uri: str, version: str) -> Path | None:
-    """The adapted drafter's folder, fetched while the MLflow server is still up."""
-    from tide.config import load_config
-    from tide.registry import Registry
-
-    if not version.isdigit():
-        return None
-    cfg = load_config(overrides={"home": str(home), "registry": {"tracking_uri": tracking_uri}})
-    try:
-        return Registry.from_config(cfg).download(int(version))
-    except Exception as exc:  # reported, the comparison then covers static vs target only
-        _say(f"could not download drafter {version}: {exc}")
-        return None
-
-
-def _comparison(home: Path, adapted_folder: Path | None, before: str, after: str, s: DemoSettings) -> dict:
-    from tide.config import load_config
-    from tide.drafter.artifact import TargetSpec, load_drafter
-    from tide.drafter.static import static_drafter_path
-    from tide.models.target import load_target
-    from tide.train.offline import render_prompt
-
-    cfg = load_config(overrides={"home": str(home)})
-    target, tok, _ = load_target(cfg)
-    spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
-    drafters = {"static": load_drafter(static_drafter_path(cfg), spec)}
-    if adapted_folder is not None:
-        drafters["adapted"] = load_drafter(adapted_folder, spec)
-    prompts = {
-        before: [render_prompt(tok, p.chat_messages(), 256) for p in _load(before, "heldout", s.compare_prompts, 11)],
-        after: [render_prompt(tok, p.chat_messages(), 256) for p in _load(after, "heldout", s.compare_prompts, 13)],
-    }
-    # the engine's own decoding settings (draft length, early stop), as served
-    res = compare(target, drafters, prompts, s.compare_max_tokens, cfg.spec.draft_len, progress=_say,
-                  stop_prob=cfg.spec.draft_stop_prob)
-    out = {w: {m: r.as_dict() for m, r in modes.items()} for w, modes in res.items()}
-    if "adapted" in drafters:
-        a, st = res[after]["adapted"], res[after]["static"]
-        out["ratios"] = {
-            f"{after}_accept_adapted_over_static": a.tokens_per_forward / st.tokens_per_forward,
-            f"{after}_tok_s_adapted_over_static": a.tokens_per_s / st.tokens_per_s,
-            f"{before}_accept_adapted_over_static":
-                res[before]["adapted"].tokens_per_forward / res[before]["static"].tokens_per_forward,
-        }
-        # how much each ratio depends on which prompts were drawn (paired bootstrap over prompts)
-        out["ratio_intervals_90"] = {
-            f"{after}_accept_adapted_over_static": ratio_interval(a, st, "tokens_per_forward"),
-            f"{after}_tok_s_adapted_over_static": ratio_interval(a, st, "tokens_per_s"),
-            f"{before}_accept_adapted_over_static":
-                ratio_interval(res[before]["adapted"], res[before]["static"], "tokens_per_forward"),
-        }
-    _say(json.dumps({k: {"ratio": round(v, 4), "interval_90": [round(x, 4) for x in out["ratio_intervals_90"][k]]}
-                     for k, v in out.get("ratios", {}).items()}, indent=2))
-    return out

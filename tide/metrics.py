@@ -20,7 +20,8 @@ ENGINE_ACCEPTED_TOKENS = Counter(
     "tide_engine_accepted_draft_tokens_total", "Draft tokens accepted by verification",
     ["drafter_version"])
 ENGINE_ACCEPT_LENGTH = Histogram(
-    "tide_engine_accept_length_tokens", "Tokens committed per target forward (accepted + bonus)",
+    "tide_engine_accept_length_tokens", "Tokens committed per target forward (accepted + bonus) of drafted rows "
+    "(all rows when no drafter serves)",
     ["drafter_version"], buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9))
 ENGINE_STEP_SECONDS = Histogram(
     "tide_engine_step_seconds", "Wall time of one batched decode step",
@@ -40,7 +41,8 @@ ENGINE_SWAP_PAUSE_SECONDS = Histogram(
 
 ENGINE_STEP_COST_SECONDS = Gauge(
     "tide_engine_step_cost_seconds", "The engine's measured step cost (start-up profile, then a running average "
-    "of live steps): kind=verify by rows and tokens fed, kind=draft by rows and draft depth",
+    "of live steps): kind=verify by rows and tokens fed, kind=draft by rows and draft depth, "
+    "kind=overhead|overhead_drafted by rows (a step's time outside its forwards; tokens=0)",
     ["kind", "rows", "tokens"])
 ENGINE_SPEC_ENABLED = Gauge(
     "tide_engine_speculation_enabled", "1 while the cost scheduler speculates for the workload under the serving "

@@ -86,6 +86,71 @@ def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, 
     return out
 
 
+def compare_served(engines: dict, prompts_by_workload: dict[str, list[list[int]]], max_new_tokens: int,
+                   progress=print) -> dict[str, dict[str, ModeResult]]:
+    """{workload: {mode: ModeResult}} decoded through serving engines, one per mode (``engines``:
+    mode -> Engine, "target" serving no drafter), each request tagged with its workload: what a
+    client gets, with the engine's draft-length scheduler and per-workload gate as configured.
+
+    Tokens/s of a prompt = tokens after the first / seconds from the first token to the last
+    (prefill excluded); forwards and committed tokens come from the engine's counters. The engines
+    live across workloads and prompts, as a serving engine's running acceptance does.
+    """
+    from tide.engine.base import GenerationRequest, SamplingParams
+
+    modes = list(engines)
+    out: dict[str, dict[str, ModeResult]] = {}
+    for workload, prompts in prompts_by_workload.items():
+        res = {m: ModeResult() for m in modes}
+        for i, ids in enumerate(prompts):
+            outputs = {}
+            for m in modes[i % len(modes):] + modes[: i % len(modes)]:
+                eng = engines[m]
+                before = _counters(eng)
+                req = GenerationRequest(f"compare-{workload}-{m}-{i}", tuple(ids),
+                                        SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+                                        workload=workload)
+                tokens, t_first = [], 0.0
+                for ev in eng.submit(req):
+                    if not tokens:
+                        t_first = time.perf_counter()
+                    tokens.extend(ev.token_ids)
+                decode_s = time.perf_counter() - t_first
+                after = _counters(eng)
+                res[m].add(tokens=len(tokens) - 1, decode_s=max(1e-6, decode_s), forwards=after[0] - before[0],
+                           committed=after[1] - before[1])
+                outputs[m] = tokens
+            for m in modes:
+                res[m].identical_to_target += outputs[m] == outputs["target"]
+            progress(f"  served {workload}: {i + 1}/{len(prompts)} prompts")
+        out[workload] = res
+    return out
+
+
+def _counters(engine) -> tuple[int, int]:
+    """(target forwards, tokens committed) of the engine's serving drafter so far."""
+    steps, _accepted, committed = engine.stats().acceptance.get(engine.drafter_version, (0, 0, 0))
+    return steps, committed
+
+
+def speculation_timeline(events: list[dict], t0_unix: float) -> dict[str, list[dict]]:
+    """The engine's gate changes (``SpecPolicy.events``) by workload, timed in seconds from
+    ``t0_unix``: when each workload's speculation went on or off, for which drafter, and why."""
+    out: dict[str, list[dict]] = {}
+    for e in sorted(events, key=lambda e: e["t_unix"]):
+        out.setdefault(e["workload"], []).append(
+            {"t_s": round(e["t_unix"] - t0_unix, 1), "on": e["on"], "reason": e["reason"],
+             "drafter_version": e["drafter_version"], "acceptance_by_depth": e["acceptance_by_depth"]})
+    return out
+
+
+def timeline_lines(timeline: dict[str, list[dict]]) -> list[str]:
+    """One line per workload: ``chat: on at 0.0 s (default, drafter 1); off at 41.2 s (...)``."""
+    return [f"{w}: " + "; ".join(f"{'on' if e['on'] else 'off'} at {e['t_s']:.0f} s ({e['reason']}, drafter "
+                                 f"{e['drafter_version']})" for e in changes)
+            for w, changes in timeline.items()]
+
+
 def ratio_interval(a: ModeResult, b: ModeResult, metric: str, level: float = 0.9, draws: int = 2000,
                    seed: int = 0) -> tuple[float, float]:
     """Paired bootstrap interval of ``metric(a) / metric(b)`` over prompts.

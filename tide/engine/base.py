@@ -82,7 +82,9 @@ class EngineStats:
     requests_failed: int = 0
     target_forwards: int = 0
     tokens_generated: int = 0
-    # drafter version -> [draft steps, accepted draft tokens, committed tokens]
+    # drafter version -> [draft steps, accepted draft tokens, committed tokens]; rows decoded
+    # target-only while a drafter serves (scheduler or gate) are not draft steps; with no drafter
+    # (version "none") every row is
     acceptance: dict[str, list[int]] = field(default_factory=dict)
 
     def copy(self) -> "EngineStats":

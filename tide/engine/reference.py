@@ -354,7 +354,10 @@ class ReferenceEngine(Engine):
         if results is None:
             t_target = time.perf_counter()
             results = target_step(self.target, self._tcache, rows)
-            self._policy.observe_target_step(len(rows), time.perf_counter() - t_target)
+            forwards_s = time.perf_counter() - t_target
+            self._policy.observe_target_step(len(rows), forwards_s)
+        else:
+            forwards_s = stats.verify_s + stats.draft_s
         caps = []
         for s, res in zip(slots, results):
             r = self._running[s]
@@ -373,7 +376,9 @@ class ReferenceEngine(Engine):
         self._record(version, results, stats, len(slots))
         for s, res in zip(slots, results):
             self._emit(s, res.committed)
-        metrics.ENGINE_STEP_SECONDS.observe(time.perf_counter() - t0)
+        wall_s = time.perf_counter() - t0
+        self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None)
+        metrics.ENGINE_STEP_SECONDS.observe(wall_s)
 
     def _build_feed(self, r: _Running) -> None:
         row = r.row
@@ -399,16 +404,19 @@ class ReferenceEngine(Engine):
             r.row.feed_start = r.row.drafter_first_pos = r.row.t_len + 1 - self.refeed_positions
 
     def _record(self, version: str, results, stats, n_rows: int) -> None:
+        # a drafter's acceptance counts the steps it drafted: a step the scheduler or the gate ran
+        # target-only says nothing about the drafter (the guard and dashboards judge it by this)
+        judged = stats is not None or self._drafter is None
         with self._lock:
             st = self._stats
             st.target_forwards += n_rows
             acc = st.acceptance.setdefault(version, [0, 0, 0])
-            for res in results:
+            for res in results if judged else ():
                 acc[0] += 1
                 acc[1] += res.n_accepted
                 acc[2] += len(res.committed)
         metrics.ENGINE_TARGET_FORWARDS.labels(version).inc(n_rows)
-        for res in results:
+        for res in results if judged else ():
             metrics.ENGINE_ACCEPT_LENGTH.labels(version).observe(len(res.committed))
         if stats is not None:
             metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(sum(stats.drafted))

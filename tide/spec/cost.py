@@ -31,6 +31,9 @@ class StepCostModel:
         self.max_rows, self.max_depth, self.ewma = max_rows, max_depth, ewma
         self._verify = [[math.nan] * (max_depth + 2) for _ in range(max_rows + 1)]
         self._draft = [[math.nan] * (max_depth + 1) for _ in range(max_rows + 1)]
+        # seconds of a whole step outside its forwards (feeds, sampling, commit, capture, emit), by
+        # rows and [target-only, drafted]: tok/s is made of whole steps, so decisions count it too
+        self._overhead = [[math.nan, math.nan] for _ in range(max_rows + 1)]
 
     # --- observations -----------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float, live: bool = True) -> None:
@@ -39,6 +42,15 @@ class StepCostModel:
     def observe_draft(self, rows: int, depth: int, seconds: float, live: bool = True) -> None:
         if depth >= 1:
             self._observe(self._draft, "draft", rows, depth, seconds, live)
+
+    def observe_overhead(self, rows: int, drafted: bool, seconds: float) -> None:
+        """A live step's wall time minus its forwards (clamped at 0: timer noise)."""
+        if 1 <= rows <= self.max_rows and self.ewma > 0:
+            cell, seconds = self._overhead[rows], max(0.0, seconds)
+            old = cell[drafted]
+            cell[drafted] = seconds if math.isnan(old) else old + self.ewma * (seconds - old)
+            metrics.ENGINE_STEP_COST_SECONDS.labels("overhead_drafted" if drafted else "overhead", str(rows),
+                                                    "0").set(cell[drafted])
 
     def _observe(self, table, kind: str, rows: int, n: int, seconds: float, live: bool) -> None:
         if not (1 <= rows <= self.max_rows and 0 <= n < len(table[rows])) or not seconds > 0:
@@ -59,7 +71,14 @@ class StepCostModel:
     def step_costs(self, rows: int, max_depth: int, drafted: int = 0) -> list[float]:
         """Seconds of a step whose longest draft is m, for m = 0..max_depth, when ``drafted`` depths
         are drafted already (their drafter time is spent whatever m is chosen now)."""
-        return [self.verify_s(rows, 1 + m) + self.draft_s(rows, max(m, drafted)) for m in range(max_depth + 1)]
+        return [self.verify_s(rows, 1 + m) + self.draft_s(rows, max(m, drafted))
+                + self.overhead_s(rows, m > 0 or drafted > 0) for m in range(max_depth + 1)]
+
+    def overhead_s(self, rows: int, drafted: bool) -> float:
+        """Not measured yet: a drafted step's as a target-only step's (it does at least that), else 0."""
+        target_only, spec = self._overhead[min(max(rows, 1), self.max_rows)]
+        value = spec if drafted and not math.isnan(spec) else target_only
+        return 0.0 if math.isnan(value) else value
 
     def measured(self) -> bool:
         return not math.isnan(self._verify[1][1])
@@ -69,7 +88,9 @@ class StepCostModel:
         return {"verify_ms": {r: [round(self.verify_s(r, t) * 1e3, 2) for t in range(1, self.max_depth + 2)]
                               for r in range(1, self.max_rows + 1)},
                 "draft_ms": {r: [round(self.draft_s(r, d) * 1e3, 2) for d in range(1, self.max_depth + 1)]
-                             for r in range(1, self.max_rows + 1)}}
+                             for r in range(1, self.max_rows + 1)},
+                "overhead_ms": {r: [round(self.overhead_s(r, d) * 1e3, 2) for d in (False, True)]
+                                for r in range(1, self.max_rows + 1)}}
 
 
 def _nearest(table, rows: int, n: int, lo: int) -> float:

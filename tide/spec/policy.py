@@ -10,6 +10,9 @@ The reference engine owns one ``SpecPolicy`` and touches none of the parts above
 """
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from tide import metrics
 from tide.config import CHOICES
 from tide.spec.cost import StepCostModel
@@ -18,6 +21,7 @@ from tide.spec.schedule import AcceptanceTracker, StepPlan, WorkloadGate
 
 SCHEDULERS = CHOICES["spec.scheduler"]
 DEFAULT_WORKLOAD = "default"  # the tag of requests that carry none
+MAX_GATE_EVENTS = 256  # the health view's history of gate changes (a flapping gate keeps the latest)
 
 
 class SpecPolicy:
@@ -32,6 +36,8 @@ class SpecPolicy:
         self.gate = WorkloadGate(gate_probe_steps)
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._version = "none"
+        # (unix time, workload, drafter version, on, reason, acceptance by depth) per gate change
+        self.events: deque[dict] = deque(maxlen=MAX_GATE_EVENTS)
 
     # --- per step ---------------------------------------------------------------------------
     def plan(self, workloads: list[str | None], gamma: int) -> tuple[bool, StepPlan | None]:
@@ -67,6 +73,11 @@ class SpecPolicy:
         if self.cost is not None:
             self.cost.observe_verify(n_rows, 1, seconds)
 
+    def observe_step_wall(self, n_rows: int, wall_s: float, forwards_s: float, drafted: bool) -> None:
+        """A whole step took ``wall_s``, ``forwards_s`` of it in the verify and draft forwards."""
+        if self.cost is not None:
+            self.cost.observe_overhead(n_rows, drafted, wall_s - forwards_s)
+
     def observe_spec_step(self, workloads: list[str | None], stats: StepStats, plan: StepPlan | None) -> None:
         if self.cost is not None:
             n = len(stats.drafted)
@@ -87,6 +98,8 @@ class SpecPolicy:
         self._version, self._trackers = version, {}
         for w, on, reason in self.gate.reset("drafter_swapped"):
             metrics.ENGINE_SPEC_GATE_CHANGES.labels(w, version, reason).inc()
+        for w in self.gate.state:  # the history shows every workload starting over with the new drafter
+            self._event(w, True, "drafter_swapped", [])
         for w in self.gate.state:
             metrics.ENGINE_SPEC_ENABLED.labels(w, version).set(1)
 
@@ -96,7 +109,8 @@ class SpecPolicy:
         out = {"scheduler": self.scheduler,
                "speculation": {w: {"on": s["on"], "reason": s["reason"]} for w, s in list(self.gate.state.items())},
                "acceptance_by_depth": {w: [round(a, 3) for a in t.conditional()]
-                                       for w, t in list(self._trackers.items())}}
+                                       for w, t in list(self._trackers.items())},
+               "speculation_events": list(self.events)}
         if self.cost is not None and self.cost.measured():
             out["step_cost"] = self.cost.table()
         return out
@@ -106,8 +120,15 @@ class SpecPolicy:
         if t is None:
             t = self._trackers[workload] = AcceptanceTracker(self.draft_len)
             metrics.ENGINE_SPEC_ENABLED.labels(workload, self._version).set(1)
+            if workload not in self.gate.state and self.scheduler == "cost":
+                self._event(workload, True, "default", [])  # a workload's first request: on until measured
         return t
 
     def _gate_metric(self, workload: str, on: bool, reason: str) -> None:
         metrics.ENGINE_SPEC_ENABLED.labels(workload, self._version).set(1 if on else 0)
         metrics.ENGINE_SPEC_GATE_CHANGES.labels(workload, self._version, reason).inc()
+        self._event(workload, on, reason, self._tracker(workload).conditional())
+
+    def _event(self, workload: str, on: bool, reason: str, acceptance: list[float]) -> None:
+        self.events.append({"t_unix": round(time.time(), 3), "workload": workload, "drafter_version": self._version,
+                            "on": on, "reason": reason, "acceptance_by_depth": [round(a, 3) for a in acceptance]})

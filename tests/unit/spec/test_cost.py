@@ -61,3 +61,24 @@ def test_profile_measures_every_shape_and_exports_it(tiny_target, tiny_drafter):
     assert all(v > 0 for row in table["draft_ms"].values() for v in row)
     got = REGISTRY.get_sample_value("tide_engine_step_cost_seconds", {"kind": "verify", "rows": "3", "tokens": "3"})
     assert got == pytest.approx(cost.verify_s(3, 3))
+
+
+def test_step_costs_include_each_kind_of_steps_time_outside_its_forwards():
+    cost = StepCostModel(max_rows=2, max_depth=2, ewma=0.5)
+    for q in range(1, 4):
+        cost.observe_verify(2, q, 1.0, live=False)
+    cost.observe_draft(2, 1, 0.1, live=False)
+    cost.observe_draft(2, 2, 0.2, live=False)
+    assert cost.step_costs(2, 2) == pytest.approx([1.0, 1.1, 1.2])  # nothing measured outside yet
+    cost.observe_overhead(2, drafted=False, seconds=0.05)
+    # a drafted step's own overhead unknown: it costs at least a target-only step's
+    assert cost.step_costs(2, 2) == pytest.approx([1.05, 1.15, 1.25])
+    cost.observe_overhead(2, drafted=True, seconds=0.3)
+    cost.observe_overhead(2, drafted=True, seconds=0.1)  # running average: 0.3 -> 0.2
+    cost.observe_overhead(2, drafted=True, seconds=-1.0)  # timer noise below the forwards: 0 -> 0.1
+    assert cost.step_costs(2, 2) == pytest.approx([1.05, 1.2, 1.3])
+    assert cost.step_costs(2, 2, drafted=1)[0] == pytest.approx(1.2)  # drafting already happened
+    assert cost.table()["overhead_ms"][2] == [50.0, 100.0]
+    pinned = StepCostModel(max_rows=1, max_depth=1, ewma=0.0)
+    pinned.observe_overhead(1, drafted=True, seconds=5.0)  # a pinned model: live steps never move it
+    assert pinned.overhead_s(1, True) == 0.0

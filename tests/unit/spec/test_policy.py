@@ -58,6 +58,8 @@ def test_no_drafter_forward_when_verify_cost_exceeds_any_gain(tiny_target, tiny_
         assert out == generate(tiny_target, None, p, 20)[0]
     after = REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"})
     assert after - before >= 19  # every decode step of the 20 tokens but the prefill's
+    st = engine.stats()  # steps it did not draft are not the drafter's acceptance (the guard reads it)
+    assert st.target_forwards >= 4 * 19 and st.acceptance.get("v1", [0, 0, 0])[0] == 0
 
 
 def test_gate_turns_a_workload_off_then_a_swap_turns_it_back_on(tiny_target, tiny_drafter):
@@ -74,6 +76,8 @@ def test_gate_turns_a_workload_off_then_a_swap_turns_it_back_on(tiny_target, tin
         outs = _run(engine, ps, 40, "code")
         view = engine.health()
         assert view["speculation"]["code"] == {"on": False, "reason": "acceptance_below_cost"}
+        drafted_steps = engine.stats().acceptance["v1"][0]
+        assert 0 < drafted_steps < engine.stats().target_forwards  # gated steps are not draft steps
         assert REGISTRY.get_sample_value("tide_engine_speculation_enabled",
                                          {"workload": "code", "drafter_version": "v1"}) == 0
         engine.swap_drafter(new_drafter(tiny_target, 200, torch.arange(512), seed=5).eval(), "v2")
@@ -86,6 +90,15 @@ def test_gate_turns_a_workload_off_then_a_swap_turns_it_back_on(tiny_target, tin
         assert REGISTRY.get_sample_value("tide_engine_speculation_gate_changes_total",
                                          {"workload": "code", "drafter_version": "v2",
                                           "reason": "drafter_swapped"}) >= 1
+        # the history the demo's report shows: on by default, off once measured, on with v2
+        events = view["speculation_events"]
+        first_off = next(e for e in events if not e["on"])
+        assert events[0] | {"t_unix": 0} == {"t_unix": 0, "workload": "code", "drafter_version": "v1", "on": True,
+                                             "reason": "default", "acceptance_by_depth": []}
+        assert first_off["reason"] == "acceptance_below_cost" and first_off["drafter_version"] == "v1"
+        assert len(first_off["acceptance_by_depth"]) == 3 and first_off["acceptance_by_depth"][0] < 0.6
+        assert events[-1]["on"] and events[-1]["reason"] == "drafter_swapped" and events[-1]["drafter_version"] == "v2"
+        assert [e["t_unix"] for e in events] == sorted(e["t_unix"] for e in events)
     finally:
         engine.close()
     for p, out in zip(ps, outs):  # probes and deferred drafter feeds kept the output lossless
