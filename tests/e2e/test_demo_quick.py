@@ -88,6 +88,15 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     assert ratios["code_accept_adapted_over_static"] > 0 and ratios["chat_accept_adapted_over_static"] > 0
     for name, (lo, hi) in summary["comparison"]["ratio_intervals_90"].items():
         assert 0 < lo <= hi, (name, lo, hi)  # (the ratio itself is usually, not always, inside)
+    # served as a client gets it (cost scheduler + gate): lossless, with a ratio per workload x drafter
+    served = summary["comparison"]["served"]
+    assert set(served["tok_s_over_target"]) == {f"{w}_{d}" for w in ("chat", "code") for d in ("static", "adapted")}
+    for w, modes in served["modes"].items():
+        assert all(m["identical_to_target"] == m["prompts"] > 0 for m in modes.values()), (w, modes)
+    # the report says per workload when the serving engine's speculation was on or off, and why
+    spec = summary["speculation"]
+    assert spec["scheduler"] == "cost" and {"chat", "code"} <= set(spec["timeline"]), spec
+    assert spec["timeline"]["chat"][0]["reason"] == "default" and spec["timeline"]["chat"][0]["t_s"] >= -1, spec
     # the operator's dashboard saw it too: the stack's Prometheus recorded acceptance by version
     board = summary["dashboard"]
     assert "error" not in board, board

@@ -19,7 +19,6 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -38,6 +37,7 @@ from tide.engine.base import (
     StepCapture,
     TokenEvent,
 )
+from tide.engine.running import Events, Running, build_feed, defer_feed
 from tide.models.llama import LlamaTarget
 from tide.models.target import eos_ids_of, load_target  # noqa: F401  (re-exported)
 from tide.spec.cost import StepCostModel, profile
@@ -46,56 +46,7 @@ from tide.spec.generate import generate
 from tide.spec.policy import SpecPolicy
 
 log = logging.getLogger(__name__)
-_DONE = object()  # queued by _Events.cancel to wake a reader blocked on the next event
 GREEDY_TEMPERATURE = 1e-5  # the server's threshold too (tide/engine/openai_api.py)
-
-
-@dataclass
-class _Running:
-    req: GenerationRequest
-    out: "queue.Queue[TokenEvent]"
-    row: RowInput
-    meta: CaptureMeta
-    hist_tokens: list[int]  # every token fed to the target, then the pending one
-    hist_aux: list[torch.Tensor] = field(default_factory=list)  # aux states of fed positions
-    generated: int = 0
-    refeed: bool = False
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-
-class _Events:
-    """A caller's iterator over one request's TokenEvents.
-
-    ``close()`` (reader done) and ``cancel()`` (thread-safe, from anywhere) mark the request
-    cancelled: the decode loop drops it at its next step, or before its prefill while it waits
-    in the inbox. ``cancel()`` also wakes a reader blocked waiting for the next event.
-    """
-
-    def __init__(self, running: _Running) -> None:
-        self._r = running
-        self._done = False
-
-    def __iter__(self) -> "_Events":
-        return self
-
-    def __next__(self) -> TokenEvent:
-        if self._done:
-            raise StopIteration
-        ev = self._r.out.get()
-        if ev is _DONE:
-            self.close()
-            raise StopIteration
-        if ev.finished:
-            self.close()
-        return ev
-
-    def cancel(self) -> None:
-        self._r.cancelled.set()
-        self._r.out.put(_DONE)
-
-    def close(self) -> None:
-        self._done = True
-        self._r.cancelled.set()
 
 
 class ReferenceEngine(Engine):
@@ -125,8 +76,8 @@ class ReferenceEngine(Engine):
         self._cache_len = max_seq_len + draft_len + 2
         self._tcache = target.new_cache(max_batch_size, self._cache_len)
         self._dcache = drafter.new_cache(max_batch_size, self._cache_len) if drafter is not None else None
-        self._inbox: "queue.Queue[_Running]" = queue.Queue()
-        self._running: dict[int, _Running] = {}
+        self._inbox: "queue.Queue[Running]" = queue.Queue()
+        self._running: dict[int, Running] = {}
         self._sink: CaptureSink | None = None
         self._stats = EngineStats()
         self._lock = threading.Lock()  # guards _stats and _pending_swap only (never held in a step)
@@ -191,7 +142,7 @@ class ReferenceEngine(Engine):
                            drafter_version=self._version, aux_layer_ids=self.target.aux_layer_ids,
                            workload=request.workload, prompt_len=len(request.prompt_ids),
                            started_at_s=time.time())
-        running = _Running(req=request, out=queue.Queue(), row=row, meta=meta,
+        running = Running(req=request, out=queue.Queue(), row=row, meta=meta,
                            hist_tokens=list(request.prompt_ids))
         self._inbox.put(running)
         metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
@@ -220,8 +171,8 @@ class ReferenceEngine(Engine):
         self._thread.join(timeout=30)
 
     # --- internals --------------------------------------------------------------------------
-    def _stream(self, running: _Running) -> "_Events":
-        return _Events(running)
+    def _stream(self, running: Running) -> Events:
+        return Events(running)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -289,7 +240,7 @@ class ReferenceEngine(Engine):
         metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
         metrics.ENGINE_BATCH_SIZE.set(len(self._running))
 
-    def _prefill(self, slot: int, r: _Running) -> None:
+    def _prefill(self, slot: int, r: Running) -> None:
         prompt = list(r.req.prompt_ids)
         out = prefill(self.target, self._tcache, slot, prompt)
         logits = out.logits[0, -1]
@@ -343,7 +294,7 @@ class ReferenceEngine(Engine):
             else (False, None)
         if speculate:
             for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
-                self._build_feed(self._running[s])
+                build_feed(self._running[s])
             try:
                 results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
                                                   rows, gamma, self._policy.stop_prob, plan)
@@ -367,7 +318,7 @@ class ReferenceEngine(Engine):
             r.hist_aux.append(res.aux_hidden)
             r.hist_tokens.extend(res.committed)
             if stats is None and self._drafter is not None:
-                self._defer_feed(r)  # the drafter did not run: it consumes these positions later
+                defer_feed(r, self.refeed_positions)  # the drafter did not run: it consumes these positions later
             else:
                 r.row.feed_start = r.row.t_len
             r.row.t_len += len(res.committed)
@@ -379,29 +330,6 @@ class ReferenceEngine(Engine):
         wall_s = time.perf_counter() - t0
         self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None)
         metrics.ENGINE_STEP_SECONDS.observe(wall_s)
-
-    def _build_feed(self, r: _Running) -> None:
-        row = r.row
-        row.feed_tokens = torch.tensor(r.hist_tokens[row.feed_start + 1: row.t_len + 1])
-        if r.refeed or len(r.hist_aux) == 1:  # after prefill, a swap or target-only steps
-            need, tail = row.t_len - row.feed_start, []
-            for chunk in reversed(r.hist_aux):  # the last ``need`` positions only, not the whole history
-                tail.append(chunk)
-                need -= chunk.shape[0]
-                if need <= 0:
-                    break
-            row.feed_aux = torch.cat(tail[::-1])[-(row.t_len - row.feed_start):]
-            r.refeed = False
-        else:
-            row.feed_aux = r.hist_aux[-1]
-
-    def _defer_feed(self, r: _Running) -> None:
-        """Keep a row's drafter feed for its next drafted step (refeed from ``feed_start``); past
-        ``refeed_positions`` of backlog the drafter attends from the recent positions only, as after
-        a swap (lossless either way: drafts are verified)."""
-        r.refeed = True
-        if r.row.t_len + 1 - r.row.feed_start > self.refeed_positions:
-            r.row.feed_start = r.row.drafter_first_pos = r.row.t_len + 1 - self.refeed_positions
 
     def _record(self, version: str, results, stats, n_rows: int) -> None:
         # a drafter's acceptance counts the steps it drafted: a step the scheduler or the gate ran
@@ -422,7 +350,7 @@ class ReferenceEngine(Engine):
             metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(sum(stats.drafted))
             metrics.ENGINE_ACCEPTED_TOKENS.labels(version).inc(sum(stats.accepted))
 
-    def _capture(self, caps: list[StepCapture], r: _Running) -> None:
+    def _capture(self, caps: list[StepCapture], r: Running) -> None:
         if r.req.capture:
             self._offer(caps)
 

@@ -1,0 +1,89 @@
+"""One running request of the reference engine: its state, its caller's event iterator, and the
+drafter feed built from its history (what the drafter consumes on the request's next drafted step).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from tide.engine.base import CaptureMeta, GenerationRequest, TokenEvent
+from tide.spec.decode import RowInput
+
+DONE = object()  # queued by Events.cancel to wake a reader blocked on the next event
+
+
+@dataclass
+class Running:
+    req: GenerationRequest
+    out: "queue.Queue[TokenEvent]"
+    row: RowInput
+    meta: CaptureMeta
+    hist_tokens: list[int]  # every token fed to the target, then the pending one
+    hist_aux: list[torch.Tensor] = field(default_factory=list)  # aux states of fed positions
+    generated: int = 0
+    refeed: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Events:
+    """A caller's iterator over one request's TokenEvents.
+
+    ``close()`` (reader done) and ``cancel()`` (thread-safe, from anywhere) mark the request
+    cancelled: the decode loop drops it at its next step, or before its prefill while it waits
+    in the inbox. ``cancel()`` also wakes a reader blocked waiting for the next event.
+    """
+
+    def __init__(self, running: Running) -> None:
+        self._r = running
+        self._done = False
+
+    def __iter__(self) -> "Events":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self._done:
+            raise StopIteration
+        ev = self._r.out.get()
+        if ev is DONE:
+            self.close()
+            raise StopIteration
+        if ev.finished:
+            self.close()
+        return ev
+
+    def cancel(self) -> None:
+        self._r.cancelled.set()
+        self._r.out.put(DONE)
+
+    def close(self) -> None:
+        self._done = True
+        self._r.cancelled.set()
+
+
+def build_feed(r: Running) -> None:
+    """Set the row's drafter feed: the positions since ``feed_start`` (tokens shifted by one)."""
+    row = r.row
+    row.feed_tokens = torch.tensor(r.hist_tokens[row.feed_start + 1: row.t_len + 1])
+    if r.refeed or len(r.hist_aux) == 1:  # after prefill, a swap or target-only steps
+        need, tail = row.t_len - row.feed_start, []
+        for chunk in reversed(r.hist_aux):  # the last ``need`` positions only, not the whole history
+            tail.append(chunk)
+            need -= chunk.shape[0]
+            if need <= 0:
+                break
+        row.feed_aux = torch.cat(tail[::-1])[-(row.t_len - row.feed_start):]
+        r.refeed = False
+    else:
+        row.feed_aux = r.hist_aux[-1]
+
+
+def defer_feed(r: Running, refeed_positions: int) -> None:
+    """Keep a row's drafter feed for its next drafted step (refeed from ``feed_start``); past
+    ``refeed_positions`` of backlog the drafter attends from the recent positions only, as after
+    a swap (lossless either way: drafts are verified)."""
+    r.refeed = True
+    if r.row.t_len + 1 - r.row.feed_start > refeed_positions:
+        r.row.feed_start = r.row.drafter_first_pos = r.row.t_len + 1 - refeed_positions
