@@ -57,7 +57,8 @@ def run_round(engine, prompts, n, workload, tag):
 
 
 def _cell(res, health, rows_out, b) -> dict:
-    cell = {k: health.get(k) for k in ("speculation", "acceptance_by_depth", "speculation_events", "step_cost")}
+    cell = {k: health.get(k) for k in ("speculation", "acceptance_by_depth", "speculation_events", "step_cost",
+                                  "drafted_tok_s_by_rows")}
     for m in MODES:
         ratio = res[m].tokens_per_s / res["target"].tokens_per_s
         lo, hi = ratio_interval(res[m], res["target"], "tokens_per_s") if m != "target" else (1.0, 1.0)

@@ -88,7 +88,7 @@ class ReferenceEngine(Engine):
             cost_model = cost_model or StepCostModel(max_batch_size, draft_len)
             if not cost_model.measured():  # before the decode thread: the caches are not in use yet
                 profile(target, drafter, self._tcache, self._dcache, cost_model,
-                        min(profile_context, max_seq_len - draft_len - 2))
+                        min(profile_context, max_seq_len - draft_len - 2), refeed_positions=refeed_positions)
         self._policy = SpecPolicy(scheduler, draft_len, draft_stop_prob, cost_model, gate_probe_steps)
         self._policy.drafter_changed(self._version)
         self._thread = threading.Thread(target=self._loop, name="tide-engine", daemon=True)
@@ -290,7 +290,11 @@ class ReferenceEngine(Engine):
         version = self._version
         results, stats = None, None
         workloads = [self._running[s].req.workload for s in slots]
-        speculate, plan = self._policy.plan(workloads, gamma) if self._drafter is not None and gamma > 0 \
+        # the switching cost a draft pays first: positions deferred by target-only steps or a swap
+        # (a prompt's own feed is not counted: it buys the drafter the request's context)
+        feed_positions = max(r.t_len - r.feed_start if r.feed_start > 0 else 0 for r in rows)
+        speculate, plan = self._policy.plan(workloads, gamma, feed_positions) \
+            if self._drafter is not None and gamma > 0 \
             else (False, None)
         if speculate:
             for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
@@ -328,7 +332,8 @@ class ReferenceEngine(Engine):
         for s, res in zip(slots, results):
             self._emit(s, res.committed)
         wall_s = time.perf_counter() - t0
-        self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None)
+        self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None,
+                                       sum(len(res.committed) for res in results))
         metrics.ENGINE_STEP_SECONDS.observe(wall_s)
 
     def _record(self, version: str, results, stats, n_rows: int) -> None:

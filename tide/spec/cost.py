@@ -17,6 +17,10 @@ import torch
 
 from tide import metrics
 
+# the drafter feed the draft cells are timed with (a steady step feeds its 1..1+depth committed
+# tokens); longer feeds (the prompt after prefill, positions deferred by target-only steps) cost
+# extra per position, paid once by the step that drafts next: the cost of switching drafting on
+STEADY_FEED = 2
 # weight of one live observation: ~20 steps of a shape replace its start-up figure, while one
 # slow step (another process on the core) moves it by a tenth only
 LIVE_EWMA = 0.1
@@ -34,6 +38,7 @@ class StepCostModel:
         # seconds of a whole step outside its forwards (feeds, sampling, commit, capture, emit), by
         # rows and [target-only, drafted]: tok/s is made of whole steps, so decisions count it too
         self._overhead = [[math.nan, math.nan] for _ in range(max_rows + 1)]
+        self._refeed = [math.nan] * (max_rows + 1)  # drafter seconds per feed position past STEADY_FEED
 
     # --- observations -----------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float, live: bool = True) -> None:
@@ -42,6 +47,18 @@ class StepCostModel:
     def observe_draft(self, rows: int, depth: int, seconds: float, live: bool = True) -> None:
         if depth >= 1:
             self._observe(self._draft, "draft", rows, depth, seconds, live)
+
+    def observe_refeed(self, rows: int, extra_positions: int, seconds: float, live: bool = True) -> None:
+        """``seconds`` of drafting beyond the steady draft cost for ``extra_positions`` more feed."""
+        if 1 <= rows <= self.max_rows and extra_positions > 0 and (self.ewma > 0 or not live):
+            per = max(0.0, seconds) / extra_positions
+            old = self._refeed[rows]
+            self._refeed[rows] = per if math.isnan(old) or not live else old + self.ewma * (per - old)
+            metrics.ENGINE_STEP_COST_SECONDS.labels("refeed_per_position", str(rows), "0").set(self._refeed[rows])
+
+    def refeed_s(self, rows: int, feed_positions: int) -> float:
+        per = self._refeed[min(max(rows, 1), self.max_rows)]
+        return 0.0 if math.isnan(per) else per * max(0, feed_positions - STEADY_FEED)
 
     def observe_overhead(self, rows: int, drafted: bool, seconds: float) -> None:
         """A live step's wall time minus its forwards (clamped at 0: timer noise)."""
@@ -68,10 +85,13 @@ class StepCostModel:
             return 0.0  # no drafter was profiled (none served at start-up): drafted steps measure it
         return _nearest(self._draft, rows, depth, lo=1)
 
-    def step_costs(self, rows: int, max_depth: int, drafted: int = 0) -> list[float]:
+    def step_costs(self, rows: int, max_depth: int, drafted: int = 0, feed_positions: int = 0) -> list[float]:
         """Seconds of a step whose longest draft is m, for m = 0..max_depth, when ``drafted`` depths
-        are drafted already (their drafter time is spent whatever m is chosen now)."""
+        are drafted already (their drafter time is spent whatever m is chosen now) and the longest
+        drafter feed is ``feed_positions`` (any draft consumes it first)."""
+        refeed = self.refeed_s(rows, feed_positions)
         return [self.verify_s(rows, 1 + m) + self.draft_s(rows, max(m, drafted))
+                + (refeed if m > 0 or drafted > 0 else 0.0)
                 + self.overhead_s(rows, m > 0 or drafted > 0) for m in range(max_depth + 1)]
 
     def overhead_s(self, rows: int, drafted: bool) -> float:
@@ -89,6 +109,8 @@ class StepCostModel:
                               for r in range(1, self.max_rows + 1)},
                 "draft_ms": {r: [round(self.draft_s(r, d) * 1e3, 2) for d in range(1, self.max_depth + 1)]
                              for r in range(1, self.max_rows + 1)},
+                "refeed_ms_per_position": {r: round(self.refeed_s(r, STEADY_FEED + 1) * 1e3, 4)
+                                           for r in range(1, self.max_rows + 1)},
                 "overhead_ms": {r: [round(self.overhead_s(r, d) * 1e3, 2) for d in (False, True)]
                                 for r in range(1, self.max_rows + 1)}}
 
@@ -106,7 +128,8 @@ def _nearest(table, rows: int, n: int, lo: int) -> float:
     return min(cells)[3]
 
 
-def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: int, reps: int = 2) -> None:
+def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: int, reps: int = 2,
+            refeed_positions: int = 32) -> None:
     """Time verify forwards and drafts at every (rows, tokens) the engine can run, on the engine's
     own caches before any request uses them (the positions written are overwritten by prefills).
 
@@ -126,13 +149,18 @@ def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: i
                                 live=False)
         if drafter is None:
             continue
-        batch = [RowInput(slot=b, t_len=context_len, pending=0, feed_start=context_len - 2,
-                          feed_tokens=torch.zeros(2, dtype=torch.long), feed_aux=torch.zeros(2, aux_dim))
-                 for b in range(rows)]
+        def feed(n: int) -> list[RowInput]:
+            return [RowInput(slot=b, t_len=context_len, pending=0, feed_start=context_len - n,
+                             feed_tokens=torch.zeros(n, dtype=torch.long), feed_aux=torch.zeros(n, aux_dim))
+                    for b in range(rows)]
+        batch = feed(STEADY_FEED)
         for depth in range(1, cost.max_depth + 1):
             plan = _FullDepth(rows, depth)  # the scheduler's drafts compute live survival: time that too
             cost.observe_draft(rows, depth, _median_s(
                 lambda: draft(drafter, target.embed_weight, dcache, batch, depth, planner=plan), reps), live=False)
+        long_feed, plan = feed(STEADY_FEED + refeed_positions), _FullDepth(rows, 1)
+        long_s = _median_s(lambda: draft(drafter, target.embed_weight, dcache, long_feed, 1, planner=plan), reps)
+        cost.observe_refeed(rows, refeed_positions, long_s - cost.draft_s(rows, 1), live=False)
 
 
 class _FullDepth:

@@ -70,6 +70,7 @@ class StepStats:
     draft_depth: int = 0  # depths the drafter ran (its cost), >= the longest kept draft
     draft_s: float = 0.0
     verify_s: float = 0.0
+    feed_positions: int = 0  # the longest drafter feed of the step (long after prefill or target-only steps)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -243,7 +244,8 @@ def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: 
     fed, out = verify(target, target_cache, rows, draft_tokens)
     stats = StepStats(gamma=gamma, position_accepts=[0] * gamma, drafted=lengths,
                       draft_depth=planner.drafted if planner is not None else max(lengths),
-                      draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
+                      draft_s=t1 - t0, verify_s=time.perf_counter() - t1,
+                      feed_positions=max(len(r.feed_tokens) for r in rows))
     results = []
     for b, r in enumerate(rows):
         k = lengths[b]

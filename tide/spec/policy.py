@@ -15,9 +15,9 @@ from collections import deque
 
 from tide import metrics
 from tide.config import CHOICES
-from tide.spec.cost import StepCostModel
+from tide.spec.cost import STEADY_FEED, StepCostModel
 from tide.spec.decode import StepStats
-from tide.spec.schedule import AcceptanceTracker, StepPlan, WorkloadGate
+from tide.spec.schedule import AcceptanceTracker, RealizedRate, StepPlan, WorkloadGate
 
 SCHEDULERS = CHOICES["spec.scheduler"]
 DEFAULT_WORKLOAD = "default"  # the tag of requests that carry none
@@ -34,14 +34,16 @@ class SpecPolicy:
         self.scheduler, self.draft_len, self.cost = scheduler, draft_len, cost
         self.stop_prob = stop_prob if scheduler == "stop_rule" else 0.0
         self.gate = WorkloadGate(gate_probe_steps)
+        self.realized = RealizedRate(gate_probe_steps)
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._version = "none"
         # (unix time, workload, drafter version, on, reason, acceptance by depth) per gate change
         self.events: deque[dict] = deque(maxlen=MAX_GATE_EVENTS)
 
     # --- per step ---------------------------------------------------------------------------
-    def plan(self, workloads: list[str | None], gamma: int) -> tuple[bool, StepPlan | None]:
-        """(draft this step, planner for the drafter). False = the step runs target-only."""
+    def plan(self, workloads: list[str | None], gamma: int, feed_positions: int = 0) -> tuple[bool, StepPlan | None]:
+        """(draft this step, planner for the drafter). False = the step runs target-only.
+        ``feed_positions``: the longest drafter feed a draft would consume first."""
         if self.scheduler != "cost":
             return True, None
         names = [w or DEFAULT_WORKLOAD for w in workloads]
@@ -59,7 +61,7 @@ class SpecPolicy:
             caps.append(gamma if on or probe else 0)
             probing |= probe
         n = len(names)
-        plan = StepPlan(trackers, caps, lambda drafted: self.cost.step_costs(n, gamma, drafted), gamma,
+        plan = StepPlan(trackers, caps, lambda drafted: self.cost.step_costs(n, gamma, drafted, feed_positions), gamma,
                         min_level=1 if probing else 0)
         if not any(caps):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("gated").inc()
@@ -67,22 +69,32 @@ class SpecPolicy:
         if plan.initial_level() == 0:
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost").inc()
             return False, None
+        if not probing and not self.realized.allows(n, self.cost.step_costs(n, 0)[0]):
+            metrics.ENGINE_TARGET_ONLY_STEPS.labels("measured").inc()
+            return False, None
         return True, plan
 
     def observe_target_step(self, n_rows: int, seconds: float) -> None:
         if self.cost is not None:
             self.cost.observe_verify(n_rows, 1, seconds)
 
-    def observe_step_wall(self, n_rows: int, wall_s: float, forwards_s: float, drafted: bool) -> None:
-        """A whole step took ``wall_s``, ``forwards_s`` of it in the verify and draft forwards."""
+    def observe_step_wall(self, n_rows: int, wall_s: float, forwards_s: float, drafted: bool, tokens: int) -> None:
+        """A whole step took ``wall_s``, ``forwards_s`` of it in the verify and draft forwards, and
+        committed ``tokens``."""
         if self.cost is not None:
             self.cost.observe_overhead(n_rows, drafted, wall_s - forwards_s)
+        if drafted:
+            self.realized.observe(n_rows, tokens, wall_s)
 
     def observe_spec_step(self, workloads: list[str | None], stats: StepStats, plan: StepPlan | None) -> None:
         if self.cost is not None:
             n = len(stats.drafted)
             self.cost.observe_verify(n, 1 + max(stats.drafted), stats.verify_s)
-            self.cost.observe_draft(n, stats.draft_depth, stats.draft_s)
+            if stats.feed_positions <= 1 + stats.gamma:  # a steady feed: the draft cells' shape
+                self.cost.observe_draft(n, stats.draft_depth, stats.draft_s)
+            else:  # a long feed: what it cost beyond a steady draft
+                self.cost.observe_refeed(n, stats.feed_positions - STEADY_FEED,
+                                         stats.draft_s - self.cost.draft_s(n, stats.draft_depth))
         if plan is None:
             return
         for b, w in enumerate(workloads):
@@ -96,6 +108,7 @@ class SpecPolicy:
         for w in self.gate.state:
             metrics.ENGINE_SPEC_ENABLED.labels(w, old).set(0)
         self._version, self._trackers = version, {}
+        self.realized = RealizedRate(self.gate.probe_steps)
         for w, on, reason in self.gate.reset("drafter_swapped"):
             metrics.ENGINE_SPEC_GATE_CHANGES.labels(w, version, reason).inc()
         for w in self.gate.state:  # the history shows every workload starting over with the new drafter
@@ -113,6 +126,10 @@ class SpecPolicy:
                "speculation_events": list(self.events)}
         if self.cost is not None and self.cost.measured():
             out["step_cost"] = self.cost.table()
+            out["drafted_tok_s_by_rows"] = {n: {"drafted": round(rate, 2),
+                                                "target_only": round(n / self.cost.step_costs(n, 0)[0], 2)}
+                                            for n in list(self.realized.drafted)
+                                            if (rate := self.realized.tokens_per_s(n)) is not None}
         return out
 
     def _tracker(self, workload: str) -> AcceptanceTracker:

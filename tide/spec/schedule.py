@@ -190,3 +190,50 @@ class WorkloadGate:
             if s["since_probe"] >= self.probe_steps:
                 s["since_probe"], probe = 0, True
         return s["on"], probe, changed
+
+
+class RealizedRate:
+    """What drafted steps actually delivered, by batch rows: committed tokens per second of whole
+    steps (everything the cost model does not see included: a new request's prompt feed, tokens
+    past a request's budget, cache effects), against the measured target-only step.
+
+    The model above decides from expected figures; this is the check that keeps speculation from
+    being slower than target-only when those figures are off: at a row count where drafted steps
+    delivered fewer tokens/s than a target-only step would, the step runs target-only, and every
+    ``probe_steps``-th such step drafts anyway so the figure stays current.
+    """
+
+    EWMA = 0.05  # ~20 recent drafted steps per row count
+    MIN_STEPS = 16  # drafted steps at a row count before its figure is trusted
+    # refuse only where drafting was clearly slower: "never slower" means within 2% of target-only,
+    # and a figure taken mostly at the prior's optimism must not switch a paying drafter off
+    TOLERANCE = 0.02
+
+    def __init__(self, probe_steps: int) -> None:
+        self.probe_steps = probe_steps
+        self.drafted: dict[int, list[float]] = {}  # rows -> [tokens, seconds (running averages), steps]
+        self._since_probe: dict[int, int] = {}
+
+    def observe(self, rows: int, tokens: int, wall_s: float) -> None:
+        r = self.drafted.get(rows)
+        if r is None:
+            self.drafted[rows] = [float(tokens), wall_s, 1]
+            return
+        r[0] += self.EWMA * (tokens - r[0])
+        r[1] += self.EWMA * (wall_s - r[1])
+        r[2] += 1
+
+    def tokens_per_s(self, rows: int) -> float | None:
+        r = self.drafted.get(rows)
+        return r[0] / r[1] if r is not None and r[2] >= self.MIN_STEPS and r[1] > 0 else None
+
+    def allows(self, rows: int, target_only_step_s: float) -> bool:
+        """May a step with ``rows`` rows draft, given a target-only step costs ``target_only_step_s``?"""
+        rate = self.tokens_per_s(rows)
+        if rate is None or rate >= (1 - self.TOLERANCE) * rows / target_only_step_s:
+            return True
+        self._since_probe[rows] = self._since_probe.get(rows, 0) + 1
+        if self._since_probe[rows] >= self.probe_steps:
+            self._since_probe[rows] = 0
+            return True
+        return False

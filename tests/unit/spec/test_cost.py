@@ -82,3 +82,22 @@ def test_step_costs_include_each_kind_of_steps_time_outside_its_forwards():
     pinned = StepCostModel(max_rows=1, max_depth=1, ewma=0.0)
     pinned.observe_overhead(1, drafted=True, seconds=5.0)  # a pinned model: live steps never move it
     assert pinned.overhead_s(1, True) == 0.0
+
+
+def test_a_long_drafter_feed_costs_its_extra_positions_on_drafted_levels_only():
+    from tide.spec.cost import STEADY_FEED
+
+    cost = StepCostModel(max_rows=1, max_depth=2, ewma=0.5)
+    for q in range(1, 4):
+        cost.observe_verify(1, q, 1.0, live=False)
+    cost.observe_draft(1, 1, 0.1, live=False)
+    cost.observe_draft(1, 2, 0.2, live=False)
+    assert cost.step_costs(1, 2, feed_positions=40) == pytest.approx([1.0, 1.1, 1.2])  # nothing known yet
+    cost.observe_refeed(1, 10, 0.05, live=False)  # 5 ms per position past the steady feed
+    assert cost.refeed_s(1, STEADY_FEED) == 0.0 and cost.refeed_s(1, STEADY_FEED + 4) == pytest.approx(0.02)
+    # switching drafting on costs the backlog once; target-only does not pay it
+    assert cost.step_costs(1, 2, feed_positions=STEADY_FEED + 20) == pytest.approx([1.0, 1.2, 1.3])
+    # once drafting has consumed it, every level carries it (spent whatever is kept)
+    assert cost.step_costs(1, 2, drafted=1, feed_positions=STEADY_FEED + 20)[0] == pytest.approx(1.2)
+    cost.observe_refeed(1, 10, 0.15)  # live: per position 15 ms, running average -> 10 ms
+    assert cost.table()["refeed_ms_per_position"][1] == pytest.approx(10.0)

@@ -115,3 +115,23 @@ def test_engine_profiles_its_own_step_cost_at_start_up(tiny_target, tiny_drafter
         engine.close()
     assert sorted(cost["verify_ms"]) == [1, 2] and all(len(v) == 3 for v in cost["verify_ms"].values())
     assert all(v > 0 for v in cost["draft_ms"][2])
+
+
+def test_a_long_feed_step_teaches_the_refeed_cost_not_the_steady_draft_cost():
+    from tide.spec.cost import STEADY_FEED, StepCostModel
+    from tide.spec.decode import StepStats
+
+    cost = StepCostModel(max_rows=2, max_depth=2, ewma=1.0)  # each live step replaces its cell
+    for q in range(1, 4):
+        cost.observe_verify(2, q, 1.0, live=False)
+    cost.observe_draft(2, 1, 0.1, live=False)
+    policy = SpecPolicy("cost", 2, 0.0, cost)
+    steady = StepStats(gamma=2, drafted=[1, 1], accepted=[1, 0], draft_depth=1, draft_s=0.12, verify_s=1.0,
+                       feed_positions=3)
+    policy.observe_spec_step(["chat", "chat"], steady, None)
+    assert cost.draft_s(2, 1) == pytest.approx(0.12) and cost.refeed_s(2, 40) == 0.0
+    long = StepStats(gamma=2, drafted=[1, 1], accepted=[1, 0], draft_depth=1, draft_s=0.42, verify_s=1.0,
+                     feed_positions=STEADY_FEED + 30)
+    policy.observe_spec_step(["chat", "chat"], long, None)
+    assert cost.draft_s(2, 1) == pytest.approx(0.12)  # the steady cell keeps its figure
+    assert cost.refeed_s(2, STEADY_FEED + 30) == pytest.approx(0.30)  # 0.42 - 0.12 over 30 positions

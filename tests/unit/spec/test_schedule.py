@@ -94,3 +94,19 @@ def test_gate_switches_a_workload_off_probes_it_and_resets_on_a_new_drafter():
 def test_gate_refuses_a_zero_probe_interval():
     with pytest.raises(ValueError, match="gate_probe_steps"):
         WorkloadGate(0)
+
+
+def test_realized_rate_stops_drafting_where_drafted_steps_delivered_less_and_probes():
+    from tide.spec.schedule import RealizedRate
+
+    rr = RealizedRate(probe_steps=5)
+    for _ in range(RealizedRate.MIN_STEPS - 1):
+        rr.observe(4, tokens=5, wall_s=0.5)  # 10 tok/s drafted
+    assert rr.allows(4, target_only_step_s=0.25)  # not enough drafted steps to judge yet
+    rr.observe(4, tokens=5, wall_s=0.5)
+    assert rr.tokens_per_s(4) == pytest.approx(10.0)
+    # a target-only step of 4 rows in 0.25 s is 16 tok/s: drafting is refused, bar one probe in 5
+    assert [rr.allows(4, target_only_step_s=0.25) for _ in range(10)] == [False] * 4 + [True] + [False] * 4 + [True]
+    assert rr.allows(4, target_only_step_s=0.392)  # 10.2 tok/s, within 2%: drafting is kept
+    assert rr.allows(4, target_only_step_s=0.6)  # 6.7 tok/s target-only: drafting delivers more
+    assert rr.allows(2, target_only_step_s=0.01)  # another batch size has its own figure (none yet)
