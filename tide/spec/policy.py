@@ -21,6 +21,7 @@ from tide.spec.schedule import AcceptanceTracker, RealizedRate, StepPlan, Worklo
 
 SCHEDULERS = CHOICES["spec.scheduler"]
 DEFAULT_WORKLOAD = "default"  # the tag of requests that carry none
+SETTLED_DRAFTS = 32  # verified drafts of a workload before its drafted steps count as realized rate
 MAX_GATE_EVENTS = 256  # the health view's history of gate changes (a flapping gate keeps the latest)
 
 
@@ -35,6 +36,7 @@ class SpecPolicy:
         self.stop_prob = stop_prob if scheduler == "stop_rule" else 0.0
         self.gate = WorkloadGate(gate_probe_steps)
         self.realized = RealizedRate(gate_probe_steps)
+        self._settled = False  # this step's rows have learnt acceptance (see plan)
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._version = "none"
         # (unix time, workload, drafter version, on, reason, acceptance by depth) per gate change
@@ -61,6 +63,9 @@ class SpecPolicy:
             caps.append(gamma if on or probe else 0)
             probing |= probe
         n = len(names)
+        # drafted steps count toward the realized rate once the rows' acceptance is learnt: steps
+        # taken on the prior's optimism say little about what drafting delivers from here on
+        self._settled = all(t.drafts_seen >= SETTLED_DRAFTS for t in trackers)
         plan = StepPlan(trackers, caps, lambda drafted: self.cost.step_costs(n, gamma, drafted, feed_positions), gamma,
                         min_level=1 if probing else 0)
         if not any(caps):
@@ -83,7 +88,7 @@ class SpecPolicy:
         committed ``tokens``."""
         if self.cost is not None:
             self.cost.observe_overhead(n_rows, drafted, wall_s - forwards_s)
-        if drafted:
+        if drafted and self._settled:
             self.realized.observe(n_rows, tokens, wall_s)
 
     def observe_spec_step(self, workloads: list[str | None], stats: StepStats, plan: StepPlan | None) -> None:
