@@ -90,6 +90,9 @@ def main() -> int:
     path = Path(args.drafter) if args.drafter else static_drafter_path(cfg)
     drafter = load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids))
     held = workloads.load_workload(args.workload, "heldout", args.rounds * max(batches), seed=1)
+    if len(held) < args.rounds * max(batches):  # an empty round would time nothing and read as 0 tok/s
+        ap.error(f"{args.workload} has {len(held)} held-out prompts; --rounds {args.rounds} x batch {max(batches)} "
+                 f"needs {args.rounds * max(batches)}")
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
     common = dict(target_model_id=cfg.model.model_id, draft_len=args.gamma, max_seq_len=args.max_seq_len, eos_ids=())
     # one engine per mode with room for the largest batch, serving B concurrent requests at each
