@@ -63,12 +63,17 @@ def test_profile_measures_every_shape_and_exports_it(tiny_target, tiny_drafter):
     assert got == pytest.approx(cost.verify_s(3, 3))
 
 
-def test_step_costs_include_each_kind_of_steps_time_outside_its_forwards():
-    cost = StepCostModel(max_rows=2, max_depth=2, ewma=0.5)
+def _flat(rows: int) -> StepCostModel:
+    cost = StepCostModel(max_rows=rows, max_depth=2, ewma=0.5)
     for q in range(1, 4):
-        cost.observe_verify(2, q, 1.0, live=False)
-    cost.observe_draft(2, 1, 0.1, live=False)
-    cost.observe_draft(2, 2, 0.2, live=False)
+        cost.observe_verify(rows, q, 1.0, live=False)
+    for d in (1, 2):
+        cost.observe_draft(rows, d, 0.1 * d, live=False)
+    return cost
+
+
+def test_step_costs_include_each_kind_of_steps_time_outside_its_forwards():
+    cost = _flat(rows=2)  # verify 1.0 s at any width, draft 0.1 s per depth
     assert cost.step_costs(2, 2) == pytest.approx([1.0, 1.1, 1.2])  # nothing measured outside yet
     cost.observe_overhead(2, drafted=False, seconds=0.05)
     # a drafted step's own overhead unknown: it costs at least a target-only step's
@@ -87,11 +92,7 @@ def test_step_costs_include_each_kind_of_steps_time_outside_its_forwards():
 def test_a_long_drafter_feed_costs_its_extra_positions_on_drafted_levels_only():
     from tide.spec.cost import STEADY_FEED
 
-    cost = StepCostModel(max_rows=1, max_depth=2, ewma=0.5)
-    for q in range(1, 4):
-        cost.observe_verify(1, q, 1.0, live=False)
-    cost.observe_draft(1, 1, 0.1, live=False)
-    cost.observe_draft(1, 2, 0.2, live=False)
+    cost = _flat(rows=1)
     assert cost.step_costs(1, 2, feed_positions=40) == pytest.approx([1.0, 1.1, 1.2])  # nothing known yet
     cost.observe_refeed(1, 10, 0.05, live=False)  # 5 ms per position past the steady feed
     assert cost.refeed_s(1, STEADY_FEED) == 0.0 and cost.refeed_s(1, STEADY_FEED + 4) == pytest.approx(0.02)
