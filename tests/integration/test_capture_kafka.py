@@ -184,7 +184,10 @@ def test_broker_outage_never_blocks_capture_and_capture_resumes(durable_broker, 
     # ... nor relative to the same loop with the broker up (a 2 ms floor: with the suite's other worker
     # busy on both cores, a p99 of ~1.5 ms was seen from scheduling alone)
     assert p99(during_lat) < max(0.002, 3 * min(p99(before_lat), p99(after_lat)))
-    assert max(during_lat) < 0.05
+    # no offer waited on the broker: such a wait lasts the worker's connect timeout (1 s) or more;
+    # one scheduling stall of the decode loop (the suite's other worker runs the demo stack on the same
+    # 2 cores: 82 ms was seen once) is not a wait on the broker, two are suspicious
+    assert max(during_lat) < 0.5 and sum(t > 0.05 for t in during_lat) <= 1, sorted(during_lat)[-5:]
 
     data_dir = tmp_path / "data"
     with capture_kit.IngestThread(icfg, kafka, data_dir):
