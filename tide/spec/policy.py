@@ -117,9 +117,8 @@ class SpecPolicy:
         for w, on, reason in self.gate.reset("drafter_swapped"):
             metrics.ENGINE_SPEC_GATE_CHANGES.labels(w, version, reason).inc()
         for w in self.gate.state:  # the history shows every workload starting over with the new drafter
-            self._event(w, True, "drafter_swapped", [])
-        for w in self.gate.state:
             metrics.ENGINE_SPEC_ENABLED.labels(w, version).set(1)
+            self._event(w, True, "drafter_swapped", [])
 
     def view(self) -> dict:
         """JSON-ready state for the engine's health view."""

@@ -199,7 +199,8 @@ class RealizedRate:
 
     The model above decides from expected figures; this is the check that keeps speculation from
     being slower than target-only when those figures are off: at a row count where drafted steps
-    delivered fewer tokens/s than a target-only step would, the step runs target-only, and every
+    delivered more than ``TOLERANCE`` fewer tokens/s than a target-only step would, the step runs
+    target-only, and every
     ``probe_steps``-th such step drafts anyway so the figure stays current.
     """
 
