@@ -293,7 +293,8 @@ class ReferenceEngine(Engine):
         # the switching cost a draft pays first: positions deferred by target-only steps or a swap
         # (a prompt's own feed is not counted: it buys the drafter the request's context)
         feed_positions = max(r.t_len - r.feed_start if r.feed_start > 0 else 0 for r in rows)
-        speculate, plan = self._policy.plan(workloads, gamma, feed_positions) \
+        room = [r.req.sampling.max_new_tokens - r.generated - 1 for r in (self._running[s] for s in slots)]
+        speculate, plan = self._policy.plan(workloads, gamma, feed_positions, room) \
             if self._drafter is not None and gamma > 0 \
             else (False, None)
         if speculate:
@@ -329,11 +330,9 @@ class ReferenceEngine(Engine):
             r.row.pending = res.committed[-1]
         self._offer(caps)  # once per step, for all its requests
         self._record(version, results, stats, len(slots))
-        for s, res in zip(slots, results):
-            self._emit(s, res.committed)
+        emitted = sum(self._emit(s, res.committed) for s, res in zip(slots, results))
         wall_s = time.perf_counter() - t0
-        self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None,
-                                       sum(len(res.committed) for res in results))
+        self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None, emitted)
         metrics.ENGINE_STEP_SECONDS.observe(wall_s)
 
     def _record(self, version: str, results, stats, n_rows: int) -> None:
@@ -368,7 +367,8 @@ class ReferenceEngine(Engine):
         except Exception:  # the sink must not raise; if it does, inference goes on
             log.exception("capture sink raised")
 
-    def _emit(self, slot: int, tokens: list[int]) -> None:
+    def _emit(self, slot: int, tokens: list[int]) -> int:
+        """Hand ``tokens`` to the caller up to a stop or the budget; returns how many went out."""
         r = self._running[slot]
         sp = r.req.sampling
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
@@ -392,6 +392,7 @@ class ReferenceEngine(Engine):
         else:
             self._release(slot, reason)  # capture's end marker goes out before the caller sees the end
             r.out.put(TokenEvent(tuple(out), True, reason))
+        return len(out)
 
     def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
         r = self._running.get(slot)

@@ -43,9 +43,11 @@ class SpecPolicy:
         self.events: deque[dict] = deque(maxlen=MAX_GATE_EVENTS)
 
     # --- per step ---------------------------------------------------------------------------
-    def plan(self, workloads: list[str | None], gamma: int, feed_positions: int = 0) -> tuple[bool, StepPlan | None]:
+    def plan(self, workloads: list[str | None], gamma: int, feed_positions: int = 0,
+             room: list[int] | None = None) -> tuple[bool, StepPlan | None]:
         """(draft this step, planner for the drafter). False = the step runs target-only.
-        ``feed_positions``: the longest drafter feed a draft would consume first."""
+        ``feed_positions``: the longest drafter feed a draft would consume first; ``room[b]``: the
+        drafts row b can still use (its token budget less the step's own token)."""
         if self.scheduler != "cost":
             return True, None
         names = [w or DEFAULT_WORKLOAD for w in workloads]
@@ -53,14 +55,15 @@ class SpecPolicy:
         solo = self.cost.step_costs(1, gamma)
         caps, probing = [], False
         decided: dict[str, tuple[bool, bool]] = {}
-        for w, t in zip(names, trackers):
+        room = room if room is not None else [gamma] * len(names)
+        for w, t, left in zip(names, trackers, room):
             if w not in decided:
                 on, probe, changed = self.gate.decide(w, t, solo)
                 decided[w] = (on, probe)
                 if changed:
                     self._gate_metric(w, on, changed)
             on, probe = decided[w]
-            caps.append(gamma if on or probe else 0)
+            caps.append(max(0, min(gamma, left)) if on or probe else 0)  # tokens past the budget are dropped
             probing |= probe
         n = len(names)
         # drafted steps count toward the realized rate once the rows' acceptance is learnt: steps
@@ -68,13 +71,13 @@ class SpecPolicy:
         self._settled = all(t.drafts_seen >= SETTLED_DRAFTS for t in trackers)
         plan = StepPlan(trackers, caps, lambda drafted: self.cost.step_costs(n, gamma, drafted, feed_positions), gamma,
                         min_level=1 if probing else 0)
-        if not any(caps):
-            metrics.ENGINE_TARGET_ONLY_STEPS.labels("gated").inc()
+        if not any(caps):  # every row's workload off, or no row with budget left for a draft
+            metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost" if any(on for on, _ in decided.values()) else "gated").inc()
             return False, None
         if plan.initial_level() == 0:
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost").inc()
             return False, None
-        if not probing and not self.realized.allows(n, self.cost.step_costs(n, 0)[0]):
+        if not probing and not self.realized.allows(n, lambda rows: self.cost.step_costs(rows, 0)[0]):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("measured").inc()
             return False, None
         return True, plan

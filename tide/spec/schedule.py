@@ -35,14 +35,14 @@ TRACK_DECAY = 0.02  # weight of one observation in the running rates (~50 recent
 MIN_GAIN = 0.03
 
 
-def best_level(expected_per_depth: list[float], n_rows: int, costs_s: list[float]) -> int:
+def best_level(expected_per_depth: list[float], n_rows: int, costs_s: list[float], min_gain: float = MIN_GAIN) -> int:
     """The draft depth m (0..len(costs_s)-1) with the most expected tokens per second.
 
     ``expected_per_depth[j-1]`` = sum over rows of P_b(j); ``costs_s[m]`` = seconds of a step with
     longest draft m. Ties go to the shorter draft (the same tokens for less drafter work); any
-    draft must beat drafting nothing by ``MIN_GAIN``.
+    draft must beat drafting nothing by ``min_gain``.
     """
-    best_m, best_rate, tokens = 0, n_rows / costs_s[0] * (1 + MIN_GAIN), float(n_rows)
+    best_m, best_rate, tokens = 0, n_rows / costs_s[0] * (1 + min_gain), float(n_rows)
     for m in range(1, len(costs_s)):
         tokens += expected_per_depth[m - 1] if m - 1 < len(expected_per_depth) else 0.0
         rate = tokens / costs_s[m]
@@ -160,8 +160,12 @@ class WorkloadGate:
     Off when the workload's running acceptance does not pay for drafting even for one row alone
     (the load where speculation pays most); while off its rows decode target-only and every
     ``probe_steps``-th step of the workload drafts anyway (a probe) so the rates stay current and
-    the gate can switch back on. A new drafter starts with every workload on.
+    the gate can switch back on, once the rates promise ``REOPEN_GAIN`` (hysteresis: near the
+    threshold a few probes' outcomes would otherwise flip it each time). A new drafter starts with
+    every workload on.
     """
+
+    REOPEN_GAIN = 2 * MIN_GAIN
 
     # drafted steps before judging: about the prior's weight, so the prior alone never gates
     def __init__(self, probe_steps: int, min_drafts: int = 4) -> None:
@@ -180,7 +184,8 @@ class WorkloadGate:
         s = self.state.setdefault(workload, {"on": True, "reason": "default", "since_probe": 0})
         changed = None
         if tracker.drafts_seen >= self.min_drafts:
-            pays = best_level(tracker.survival(), 1, solo_costs_s) > 0
+            bar = MIN_GAIN if s["on"] else self.REOPEN_GAIN
+            pays = best_level(tracker.survival(), 1, solo_costs_s, bar) > 0
             if pays != s["on"]:
                 s["on"], s["reason"] = pays, "acceptance_pays" if pays else "acceptance_below_cost"
                 changed = s["reason"]
@@ -200,8 +205,9 @@ class RealizedRate:
     The model above decides from expected figures; this is the check that keeps speculation from
     being slower than target-only when those figures are off: at a row count where drafted steps
     delivered more than ``TOLERANCE`` fewer tokens/s than a target-only step would, the step runs
-    target-only, and every
-    ``probe_steps``-th such step drafts anyway so the figure stays current.
+    target-only, and every ``probe_steps``-th such step drafts anyway so the figure stays current.
+    A row count without a figure of its own (a batch's tail as its requests finish, a load not
+    seen yet) follows a refusal at fewer rows: drafting pays less as the batch grows.
     """
 
     EWMA = 0.05  # ~20 recent drafted steps per row count
@@ -228,13 +234,21 @@ class RealizedRate:
         r = self.drafted.get(rows)
         return r[0] / r[1] if r is not None and r[2] >= self.MIN_STEPS and r[1] > 0 else None
 
-    def allows(self, rows: int, target_only_step_s: float) -> bool:
-        """May a step with ``rows`` rows draft, given a target-only step costs ``target_only_step_s``?"""
-        rate = self.tokens_per_s(rows)
-        if rate is None or rate >= (1 - self.TOLERANCE) * rows / target_only_step_s:
+    def allows(self, rows: int, target_only_step_s) -> bool:
+        """May a step with ``rows`` rows draft? ``target_only_step_s(n)``: what a target-only step
+        with n rows costs."""
+        refused = self._refuses(rows, target_only_step_s)
+        if refused is None:
+            refused = any(self._refuses(m, target_only_step_s) for m in list(self.drafted) if m < rows)
+        if not refused:
             return True
         self._since_probe[rows] = self._since_probe.get(rows, 0) + 1
         if self._since_probe[rows] >= self.probe_steps:
             self._since_probe[rows] = 0
             return True
         return False
+
+    def _refuses(self, rows: int, target_only_step_s) -> bool | None:
+        """None: no trusted figure at ``rows``."""
+        rate = self.tokens_per_s(rows)
+        return None if rate is None else rate < (1 - self.TOLERANCE) * rows / target_only_step_s(rows)

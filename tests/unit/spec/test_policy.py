@@ -135,3 +135,13 @@ def test_a_long_feed_step_teaches_the_refeed_cost_not_the_steady_draft_cost():
     policy.observe_spec_step(["chat", "chat"], long, None)
     assert cost.draft_s(2, 1) == pytest.approx(0.12)  # the steady cell keeps its figure
     assert cost.refeed_s(2, STEADY_FEED + 30) == pytest.approx(0.30)  # 0.42 - 0.12 over 30 positions
+
+
+def test_no_draft_past_a_request_s_token_budget():
+    # cheap drafts that pay at the prior's acceptance: only the budget limits them
+    policy = SpecPolicy("cost", 3, 0.3, linear_cost(2, 3, per_token_s=0.01, draft_per_depth_s=0.001))
+    speculate, plan = policy.plan(["chat", "chat"], 3, room=[1, 5])
+    assert speculate and plan.caps == [1, 3]  # one draft left for row 0's last two tokens, gamma for row 1
+    before = REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"}) or 0
+    assert policy.plan(["chat", "chat"], 3, room=[0, 0]) == (False, None)  # both rows on their last token
+    assert REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"}) == before + 1

@@ -91,6 +91,21 @@ def test_gate_switches_a_workload_off_probes_it_and_resets_on_a_new_drafter():
     assert gate.decide("code", good, solo) == (True, False, None)
 
 
+def test_gate_reopens_only_past_a_higher_bar_than_it_closes_at():
+    gate = WorkloadGate(probe_steps=100, min_drafts=4)
+    solo = [1.0, 1.3, 1.6]  # one row: a draft pays above 0.3 survival, plus the margin
+    edge = _tracker([0.345, 0.0])  # pays by MIN_GAIN (1.345 / 1.3 = 1.035) but not by REOPEN_GAIN
+    edge.drafts_seen = 4
+    assert gate.decide("code", edge, solo)[0]  # on: stays on
+    bad = _tracker([0.2, 0.0])
+    bad.drafts_seen = 4
+    assert gate.decide("code", bad, solo)[0] is False
+    assert gate.decide("code", edge, solo)[0] is False  # off: the same rates do not switch it back
+    good = _tracker([0.5, 0.0])
+    good.drafts_seen = 4
+    assert gate.decide("code", good, solo)[::2] == (True, "acceptance_pays")
+
+
 def test_gate_refuses_a_zero_probe_interval():
     with pytest.raises(ValueError, match="gate_probe_steps"):
         WorkloadGate(0)
@@ -102,11 +117,25 @@ def test_realized_rate_stops_drafting_where_drafted_steps_delivered_less_and_pro
     rr = RealizedRate(probe_steps=5)
     for _ in range(RealizedRate.MIN_STEPS - 1):
         rr.observe(4, tokens=5, wall_s=0.5)  # 10 tok/s drafted
-    assert rr.allows(4, target_only_step_s=0.25)  # not enough drafted steps to judge yet
+    assert rr.allows(4, lambda n: 0.25)  # not enough drafted steps to judge yet
     rr.observe(4, tokens=5, wall_s=0.5)
     assert rr.tokens_per_s(4) == pytest.approx(10.0)
     # a target-only step of 4 rows in 0.25 s is 16 tok/s: drafting is refused, bar one probe in 5
-    assert [rr.allows(4, target_only_step_s=0.25) for _ in range(10)] == [False] * 4 + [True] + [False] * 4 + [True]
-    assert rr.allows(4, target_only_step_s=0.392)  # 10.2 tok/s, within 2%: drafting is kept
-    assert rr.allows(4, target_only_step_s=0.6)  # 6.7 tok/s target-only: drafting delivers more
-    assert rr.allows(2, target_only_step_s=0.01)  # another batch size has its own figure (none yet)
+    assert [rr.allows(4, lambda n: 0.25) for _ in range(10)] == [False] * 4 + [True] + [False] * 4 + [True]
+    assert rr.allows(4, lambda n: 0.392)  # 10.2 tok/s, within 2%: drafting is kept
+    assert rr.allows(4, lambda n: 0.6)  # 6.7 tok/s target-only: drafting delivers more
+    assert rr.allows(2, lambda n: 0.01)  # fewer rows: a refusal at 4 says nothing about 2
+
+
+def test_realized_rate_refusal_at_fewer_rows_holds_where_a_row_count_has_no_figure():
+    from tide.spec.schedule import RealizedRate
+
+    rr = RealizedRate(probe_steps=3)
+    for _ in range(RealizedRate.MIN_STEPS):
+        rr.observe(4, tokens=5, wall_s=0.5)  # 10 tok/s drafted at 4 rows
+    slower = {4: 0.25, 7: 0.4}  # target-only 16 tok/s at 4 rows: drafting refused there
+    assert [rr.allows(7, slower.get) for _ in range(3)] == [False, False, True]  # a batch's tail, probed too
+    assert rr.allows(7, {4: 0.6, 7: 0.4}.get)  # where drafting at 4 rows paid, 7 rows are not refused
+    for _ in range(RealizedRate.MIN_STEPS):
+        rr.observe(7, tokens=10, wall_s=0.5)  # 20 tok/s drafted: 7 rows' own figure decides from now on
+    assert rr.allows(7, slower.get)
