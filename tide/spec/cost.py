@@ -39,6 +39,7 @@ class StepCostModel:
         # rows and [target-only, drafted]: tok/s is made of whole steps, so decisions count it too
         self._overhead = [[math.nan, math.nan] for _ in range(max_rows + 1)]
         self._refeed = [math.nan] * (max_rows + 1)  # drafter seconds per feed position past STEADY_FEED
+        self._drafts_measured = False  # any draft cell (every plan asks: no scan of the table)
 
     # --- observations -----------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float, live: bool = True) -> None:
@@ -47,6 +48,7 @@ class StepCostModel:
     def observe_draft(self, rows: int, depth: int, seconds: float, live: bool = True) -> None:
         if depth >= 1:
             self._observe(self._draft, "draft", rows, depth, seconds, live)
+            self._drafts_measured = self._drafts_measured or any(not math.isnan(v) for row in self._draft for v in row)
 
     def observe_refeed(self, rows: int, extra_positions: int, seconds: float, live: bool = True) -> None:
         """``seconds`` of drafting beyond the steady draft cost for ``extra_positions`` more feed."""
@@ -81,7 +83,7 @@ class StepCostModel:
         return _nearest(self._verify, rows, tokens, lo=1)
 
     def draft_s(self, rows: int, depth: int) -> float:
-        if depth <= 0 or all(math.isnan(v) for row in self._draft for v in row):
+        if depth <= 0 or not self._drafts_measured:
             return 0.0  # no drafter was profiled (none served at start-up): drafted steps measure it
         return _nearest(self._draft, rows, depth, lo=1)
 

@@ -52,7 +52,7 @@ class SpecPolicy:
             return True, None
         names = [w or DEFAULT_WORKLOAD for w in workloads]
         trackers = [self._tracker(w) for w in names]
-        solo = self.cost.step_costs(1, gamma)
+        solo = lambda ran: self.cost.step_costs(1, gamma, ran)  # noqa: E731
         caps, probing = [], False
         decided: dict[str, tuple[bool, bool]] = {}
         room = room if room is not None else [gamma] * len(names)
@@ -107,7 +107,7 @@ class SpecPolicy:
             return
         for b, w in enumerate(workloads):
             self._tracker(w or DEFAULT_WORKLOAD).observe(stats.drafted[b], stats.accepted[b], plan.raw_chain[b],
-                                                         plan.drafted)
+                                                         plan.drafted, plan.chosen)
 
     # --- drafter changes and views ----------------------------------------------------------
     def drafter_changed(self, version: str) -> None:

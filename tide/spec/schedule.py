@@ -22,6 +22,7 @@ draft), so any decision here is lossless.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 # before a workload's first verified drafts: optimistic enough that speculation is tried (and
@@ -33,6 +34,7 @@ TRACK_DECAY = 0.02  # weight of one observation in the running rates (~50 recent
 # noise (running acceptance, live step timings) decides, and a wrong guess to draft costs a whole
 # verify while a wrong guess not to costs a fraction of a token per row
 MIN_GAIN = 0.03
+PEEK_HISTORY = 64  # recent drafted rows of a workload whose kept depth and accepts price a peek
 
 
 def best_level(expected_per_depth: list[float], n_rows: int, costs_s: list[float], min_gain: float = MIN_GAIN) -> int:
@@ -51,6 +53,39 @@ def best_level(expected_per_depth: list[float], n_rows: int, costs_s: list[float
     return best_m
 
 
+def peek_rate(trackers: list["AcceptanceTracker"], caps: list[int], cost_at) -> float | None:
+    """Expected tokens/s of a step that drafts and keeps only what the live signal keeps (a peek),
+    from each row's workload's recent (kept depth, accepted) outcomes; None while a row has none.
+
+    A workload whose average acceptance does not pay can still pay this way: the live signal keeps
+    the few confident drafts and truncates the rest before they cost a verify. ``cost_at(ran)[m]``:
+    step seconds with longest kept draft m after ``ran`` drafted depths; a draft kept to depth L
+    ran L+1 depths (the one the signal stopped at). Rows' outcomes are taken as independent.
+    """
+    depth = max(caps)
+    tokens, at_most = float(len(trackers)), [1.0] * (depth + 1)  # at_most[L]: P(longest kept <= L)
+    summaries: dict[tuple[int, int], tuple[float, list[float]]] = {}  # rows of one workload share one
+    for t, c in zip(trackers, caps):
+        if c <= 0:
+            continue
+        key = (id(t), c)
+        if key not in summaries:
+            if not t.kept:
+                return None
+            summaries[key] = t.peek_summary(c, depth)
+        accepted, cdf = summaries[key]
+        tokens += accepted
+        at_most = [a * f for a, f in zip(at_most, cdf)]
+    seconds, below, costs = 0.0, 0.0, {}
+    for level in range(depth + 1):
+        ran = min(level + 1, depth)
+        if ran not in costs:
+            costs[ran] = cost_at(ran)
+        seconds += (at_most[level] - below) * costs[ran][level]
+        below = at_most[level]
+    return tokens / seconds
+
+
 @dataclass
 class AcceptanceTracker:
     """Running acceptance of one drafter on one workload, per draft depth."""
@@ -61,10 +96,15 @@ class AcceptanceTracker:
     # live-survival calibration: (observed accepts, predicted survival) per depth
     calib: list[list[float]] = field(default_factory=list)
     drafts_seen: int = 0
+    # (depth kept, accepted) of recent drafted rows with a live signal: what a peek delivers; and
+    # their counts by [kept][accepted], so pricing a peek costs the same however long the history
+    kept: deque = field(default_factory=lambda: deque(maxlen=PEEK_HISTORY))
+    kept_counts: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.cond = [[PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(self.depth)]
         self.calib = [[PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(self.depth)]
+        self.kept_counts = [[0] * (self.depth + 1) for _ in range(self.depth + 1)]
 
     def conditional(self) -> list[float]:
         return [a / t for a, t in self.cond]
@@ -81,10 +121,12 @@ class AcceptanceTracker:
         obs, pred = self.calib[depth - 1]
         return min(1.0, raw * obs / pred)
 
-    def observe(self, drafted: int, accepted: int, raw_chain: list[float] | None, ran: int = 0) -> None:
+    def observe(self, drafted: int, accepted: int, raw_chain: list[float] | None, ran: int = 0,
+                chosen: int | None = None) -> None:
         """One verified row: ``drafted`` tokens kept, the first ``accepted`` of them accepted;
         ``raw_chain[j-1]`` the live survival predicted for draft j (None for rows without a live
-        signal); ``ran`` the depths the drafter ran (>= drafted).
+        signal); ``ran`` the depths the drafter ran (>= drafted); ``chosen`` the depth the plan
+        would have kept without a probe's forced minimum.
 
         A draft the live signal truncated is never verified; where the kept ones all survived, the
         first truncated depth counts as a trial with its calibrated conditional survival as a soft
@@ -105,6 +147,28 @@ class AcceptanceTracker:
             c = self.cond[j - 1]
             c[0], c[1] = c[0] * keep + soft, c[1] * keep + 1.0
         self.drafts_seen += ran > 0
+        if raw_chain is not None and ran > 0:
+            kept = min(drafted if chosen is None else min(drafted, chosen), self.depth)
+            self.remember(kept, min(accepted, kept))
+
+    def remember(self, kept: int, accepted: int) -> None:
+        """One drafted row's outcome: ``kept`` drafts verified, ``accepted`` of them accepted."""
+        if len(self.kept) == self.kept.maxlen:
+            old_kept, old_accepted = self.kept[0]
+            self.kept_counts[old_kept][old_accepted] -= 1
+        self.kept.append((kept, accepted))
+        self.kept_counts[kept][accepted] += 1
+
+    def peek_summary(self, cap: int, depth: int) -> tuple[float, list[float]]:
+        """(mean accepted drafts, P(kept depth <= L) for L = 0..depth) of recent peeks, drafts
+        beyond ``cap`` not counted."""
+        n = len(self.kept)
+        accepted = sum(c * min(a, cap) for row in self.kept_counts for a, c in enumerate(row) if c) / n
+        cdf, total = [], 0
+        for level in range(depth + 1):
+            total += sum(self.kept_counts[level]) if level <= self.depth else 0
+            cdf.append(total / n if level < cap else 1.0)
+        return accepted, cdf
 
 
 class StepPlan:
@@ -123,11 +187,17 @@ class StepPlan:
         self.cond = [t.conditional() for t in trackers]
         self.raw_chain: list[list[float] | None] = [None] * len(trackers)
         self.level = 0
+        self.chosen = 0  # the last level chosen before a probe's forced minimum
         self.drafted = 0  # set by draft(): the depths the drafter ran
 
     def initial_level(self) -> int:
-        """The level planned from running acceptance alone; 0 = no drafter forward this step."""
+        """The level planned from running acceptance (or 1 where a peek pays: the live signal then
+        decides what is kept); 0 = no drafter forward this step."""
         self.level = self._choose(0, self.prior)
+        if self.level == 0:
+            rate = peek_rate(self.trackers, self.caps, self.cost_at)
+            if rate is not None and rate > len(self.trackers) / self.cost_at(0)[0] * (1 + MIN_GAIN):
+                self.level = 1
         return self.level
 
     def after_depth(self, depth: int, raw: list[float | None]) -> int:
@@ -150,8 +220,8 @@ class StepPlan:
 
     def _choose(self, drafted: int, survival: list[list[float]]) -> int:
         sums = [sum(s[j] for b, s in enumerate(survival) if self.caps[b] > j) for j in range(self.max_depth)]
-        level = best_level(sums, len(survival), self.cost_at(drafted))
-        return max(level, min(self.min_level, self.max_depth))
+        self.chosen = best_level(sums, len(survival), self.cost_at(drafted))
+        return max(self.chosen, min(self.min_level, self.max_depth))
 
 
 class WorkloadGate:
@@ -179,13 +249,16 @@ class WorkloadGate:
         self.state = {w: {"on": True, "reason": reason, "since_probe": 0} for w in self.state}
         return changed
 
-    def decide(self, workload: str, tracker: AcceptanceTracker, solo_costs_s: list[float]) -> tuple[bool, bool, str | None]:
-        """(on, probe this step, reason if the state changed)."""
+    def decide(self, workload: str, tracker: AcceptanceTracker, solo_cost_at) -> tuple[bool, bool, str | None]:
+        """(on, probe this step, reason if the state changed); ``solo_cost_at(ran)``: one row's
+        step costs by level after ``ran`` drafted depths."""
         s = self.state.setdefault(workload, {"on": True, "reason": "default", "since_probe": 0})
         changed = None
         if tracker.drafts_seen >= self.min_drafts:
             bar = MIN_GAIN if s["on"] else self.REOPEN_GAIN
-            pays = best_level(tracker.survival(), 1, solo_costs_s, bar) > 0
+            pays = best_level(tracker.survival(), 1, solo_cost_at(0), bar) > 0 or (
+                (peek := peek_rate([tracker], [tracker.depth], solo_cost_at)) is not None
+                and peek > (1 + bar) / solo_cost_at(0)[0])
             if pays != s["on"]:
                 s["on"], s["reason"] = pays, "acceptance_pays" if pays else "acceptance_below_cost"
                 changed = s["reason"]

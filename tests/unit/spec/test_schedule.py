@@ -1,7 +1,7 @@
 """The cost scheduler's decisions: best level, live truncation, running acceptance, the workload gate."""
 import pytest
 
-from tide.spec.schedule import AcceptanceTracker, StepPlan, WorkloadGate, best_level
+from tide.spec.schedule import PEEK_HISTORY, AcceptanceTracker, StepPlan, WorkloadGate, best_level, peek_rate
 
 
 def test_best_level_looks_past_a_level_that_does_not_pay_alone():
@@ -76,7 +76,7 @@ def test_tracker_calibration_scales_an_overconfident_signal_down():
 
 def test_gate_switches_a_workload_off_probes_it_and_resets_on_a_new_drafter():
     gate = WorkloadGate(probe_steps=3, min_drafts=4)
-    solo = [1.0, 1.3, 1.6]  # one row: a draft pays above 0.3 survival
+    solo = lambda ran: [1.0, 1.3, 1.6]  # noqa: E731  one row: a draft pays above 0.3 survival
     bad = _tracker([0.1, 0.1])
     assert gate.decide("code", bad, solo) == (True, False, None)  # too few drafts seen to judge
     bad.drafts_seen = 4
@@ -93,7 +93,7 @@ def test_gate_switches_a_workload_off_probes_it_and_resets_on_a_new_drafter():
 
 def test_gate_reopens_only_past_a_higher_bar_than_it_closes_at():
     gate = WorkloadGate(probe_steps=100, min_drafts=4)
-    solo = [1.0, 1.3, 1.6]  # one row: a draft pays above 0.3 survival, plus the margin
+    solo = lambda ran: [1.0, 1.3, 1.6]  # noqa: E731  one row: a draft pays above 0.3 survival, plus the margin
     edge = _tracker([0.345, 0.0])  # pays by MIN_GAIN (1.345 / 1.3 = 1.035) but not by REOPEN_GAIN
     edge.drafts_seen = 4
     assert gate.decide("code", edge, solo)[0]  # on: stays on
@@ -104,6 +104,61 @@ def test_gate_reopens_only_past_a_higher_bar_than_it_closes_at():
     good = _tracker([0.5, 0.0])
     good.drafts_seen = 4
     assert gate.decide("code", good, solo)[::2] == (True, "acceptance_pays")
+
+
+def _peeked(rates, outcomes):
+    t = _tracker(rates)
+    for kept, accepted in outcomes:
+        t.remember(kept, accepted)
+    t.drafts_seen = len(outcomes)
+    return t
+
+
+def test_peek_rate_prices_what_the_live_signal_keeps():
+    # one row, depth 2; a draft kept to L ran L+1 depths: 0.1 s per drafted depth, 0.5 s per kept draft
+    cost_at = lambda ran: [1.0 + 0.1 * ran + 0.5 * m for m in range(3)]  # noqa: E731
+    t = _peeked([0.2, 0.2], [(0, 0)] * 3 + [(1, 1)])  # a quarter of peeks keep one draft, accepted
+    # tokens 1 + 1/4; seconds 3/4 * 1.1 (kept none after one depth) + 1/4 * 1.7 (kept 1 after two)
+    assert peek_rate([t], [2], cost_at) == pytest.approx(1.25 / (0.75 * 1.1 + 0.25 * 1.7))
+    assert peek_rate([t, _tracker([0.2, 0.2])], [2, 2], cost_at) is None  # a row with no outcomes yet
+    # two rows: the step keeps the longer of the two drafts; P(longest = 0) = (3/4)^2
+    two = peek_rate([t, t], [2, 2], cost_at)
+    assert two == pytest.approx(2.5 / (0.5625 * 1.1 + 0.4375 * 1.7))
+    # a row whose workload is off adds no tokens and keeps nothing
+    assert peek_rate([t, t], [2, 0], cost_at) == pytest.approx(2.25 / (0.75 * 1.1 + 0.25 * 1.7))
+
+
+def test_plan_peeks_where_average_acceptance_does_not_pay_but_kept_drafts_do():
+    cost_at = lambda ran: [1.0 + 0.02 * ran + 0.3 * m for m in range(3)]  # noqa: E731
+    poor = [0.15, 0.1]  # 1.15 tokens for 1.32 s: drafting every step does not pay
+    confident = _peeked(poor, [(0, 0)] * 3 + [(2, 2)])  # but a quarter of peeks keep 2 drafts, both accepted
+    plan = StepPlan([confident], [2], cost_at, 2)
+    assert plan.initial_level() == 1  # run the drafter: the live signal decides
+    assert plan.after_depth(1, [0.05]) == 0  # an unconfident draft is not verified
+    hopeless = _peeked(poor, [(1, 0)] * 4)  # kept drafts that are rejected: no peek either
+    assert StepPlan([hopeless], [2], cost_at, 2).initial_level() == 0
+    assert StepPlan([_tracker(poor)], [2], cost_at, 2).initial_level() == 0  # no outcomes yet: averages decide
+
+
+def test_gate_keeps_a_workload_on_whose_peeks_pay():
+    gate = WorkloadGate(probe_steps=100, min_drafts=4)
+    cost_at = lambda ran: [1.0 + 0.02 * ran + 0.3 * m for m in range(3)]  # noqa: E731
+    assert gate.decide("korean", _peeked([0.15, 0.1], [(0, 0)] * 3 + [(2, 2)]), cost_at)[0]
+    assert not gate.decide("korean", _peeked([0.15, 0.1], [(1, 0)] * 4), cost_at)[0]
+
+
+def test_tracker_records_the_chosen_depth_of_a_probe_not_its_forced_one():
+    t = AcceptanceTracker(3)
+    t.observe(drafted=1, accepted=1, raw_chain=[0.1], ran=1, chosen=0)  # a probe forced one draft
+    t.observe(drafted=2, accepted=1, raw_chain=[0.9, 0.6], ran=3, chosen=2)
+    t.observe(drafted=2, accepted=2, raw_chain=None, ran=2)  # a sampled row: no live signal to price
+    assert list(t.kept) == [(0, 0), (2, 1)]
+    for i in range(PEEK_HISTORY):  # the oldest outcomes leave the counts as they leave the history
+        t.remember(3, i % 2)
+    assert t.kept_counts[0][0] == t.kept_counts[2][1] == 0
+    assert t.kept_counts[3][0] + t.kept_counts[3][1] == PEEK_HISTORY == len(t.kept)
+    assert t.peek_summary(3, 3) == (pytest.approx(0.5), [0.0, 0.0, 0.0, 1.0])
+    assert t.peek_summary(1, 3) == (pytest.approx(0.5), [0.0, 1.0, 1.0, 1.0])  # a budget of one draft
 
 
 def test_gate_refuses_a_zero_probe_interval():
