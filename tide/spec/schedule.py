@@ -16,7 +16,10 @@ Where ``P_b(j)`` comes from:
 - while drafting, each greedy row's live survival: the calibrated confidence head's chain when the
   drafter has one, else the product of the drafter's top probabilities scaled per depth by the
   ratio of observed accepts to predicted ones (raw top probabilities are over-confident); depths
-  not drafted yet extend the live figure with the running acceptance.
+  not drafted yet extend the live figure with the running acceptance;
+- a peek: where the running acceptance says no draft pays, the drafter still runs one depth when
+  the workload's recent drafted rows show that what the live signal keeps pays (``peek_rate``);
+  the live signal then decides what is verified (the stop rule's strength, priced).
 Truncating drafts never changes what is committed (tide/spec/decode.py accepts a prefix of the
 draft), so any decision here is lossless.
 """

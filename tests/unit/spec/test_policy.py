@@ -145,3 +145,26 @@ def test_no_draft_past_a_request_s_token_budget():
     before = REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"}) or 0
     assert policy.plan(["chat", "chat"], 3, room=[0, 0]) == (False, None)  # both rows on their last token
     assert REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"}) == before + 1
+
+
+def test_engine_drafts_nothing_for_a_request_on_its_last_token(tiny_target, tiny_drafter, monkeypatch):
+    depths = []
+    real = reference.speculative_step
+
+    def spy(target, drafter, tcache, dcache, rows, gamma, stop_prob, plan):
+        results, stats = real(target, drafter, tcache, dcache, rows, gamma, stop_prob, plan)
+        depths.append(max(stats.drafted))
+        return results, stats
+    monkeypatch.setattr(reference, "speculative_step", spy)
+    cheap = linear_cost(1, 3, per_token_s=0.01, draft_per_depth_s=0.001)  # drafting pays at the prior
+    engine = ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_len=3,
+                             max_batch_size=1, max_seq_len=200, scheduler="cost", cost_model=cheap)
+    try:
+        p = _prompts(tiny_target.shape.vocab_size, 1, seed=7)
+        out2 = _run(engine, p, 2, "chat")  # the prefill gives token 1: one step left, with room for no draft
+        assert depths == []
+        out3 = _run(engine, p, 3, "chat")  # two steps' worth: the first may draft one token at most
+        assert depths and max(depths) <= 1
+    finally:
+        engine.close()
+    assert out2[0] == generate(tiny_target, None, p[0], 2)[0] and out3[0] == generate(tiny_target, None, p[0], 3)[0]
