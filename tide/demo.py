@@ -14,11 +14,16 @@ Steps:
 6. with ``keep_up``, the stack is not stopped in step 4 (the comparison then shares the CPU with the
    idle stack, and with a retrain should the scheduler launch another) and runs on after the report,
    its page showing the run, until Ctrl-C / SIGTERM.
-The shift is written to the page's marks file (``<home>/run/marks.jsonl``): nothing else knows it.
+Every run starts over in ``<home>/demo`` (``fresh_state``): no dataset, registry, broker log or
+scheduler state from a previous run, so the static drafter serves first whatever ran before; the
+home's caches (converted target, kernel, workload prompts, a locally trained static drafter) are
+linked in, not rebuilt. The shift is written to the page's marks file (``<state>/run/marks.jsonl``):
+nothing else knows it.
 """
 from __future__ import annotations
 
 import itertools
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -81,10 +86,27 @@ def _champion(engine_url: str) -> str:
     return httpx.get(f"{engine_url}/health", timeout=5).json().get("drafter_version", "?")
 
 
+# what a demo reuses from the home: built once, and the same for every run
+SHARED_CACHES = ("models", "kernels", "workloads", "drafters")
+
+
+def fresh_state(home: Path) -> Path:
+    """``<home>/demo``, emptied, with the home's caches linked in: the state a demo runs on."""
+    state = home / "demo"
+    if state.exists():
+        shutil.rmtree(state)  # removes the links, never what they point to
+    state.mkdir(parents=True)
+    for name in SHARED_CACHES:
+        (home / name).mkdir(parents=True, exist_ok=True)  # a first run fills it through the link
+        (state / name).symlink_to((home / name).resolve(), target_is_directory=True)
+    return state
+
+
 def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str = "chat", after: str = "code",
              bootstrap_servers: str = "", tracking_uri: str = "", ports: dict[str, int] | None = None,
              keep_up: bool = False) -> dict:
     t_start = time.monotonic()
+    home = fresh_state(home)
     overrides = {
         "schedule": {"interval_s": 5, "min_new_samples": settings.retrain_min_tokens, "sample_unit": "tokens",
                      "cooldown_s": 60, "backoff_base_s": 10},

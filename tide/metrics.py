@@ -52,7 +52,7 @@ ENGINE_SPEC_GATE_CHANGES = Counter(
     "(acceptance_pays | acceptance_below_cost | drafter_swapped)", ["workload", "drafter_version", "reason"])
 ENGINE_TARGET_ONLY_STEPS = Counter(
     "tide_engine_target_only_steps_total", "Decode steps the cost scheduler ran without the drafter, by reason "
-    "(cost: drafting would not pay at this load; gated: every row's workload has speculation off; measured: "
+    "(cost: drafting would not pay at this load, or no row has a token budget left for a draft; gated: every row's workload has speculation off; measured: "
     "drafted steps at this batch size delivered fewer tokens/s than a target-only step)", ["reason"])
 
 # --- engine HTTP front end (tide/engine/server.py) ----------------------------------------------

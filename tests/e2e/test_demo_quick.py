@@ -72,9 +72,9 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     summary = json.loads((report / "summary.json").read_text())
     assert (report / "acceptance.png").stat().st_size > 10_000
     assert summary["traffic"]["before"]["failed"] == 0 and summary["traffic"]["after"]["failed"] == 0
-    files = sorted((home / "dataset").rglob("*.parquet"))
+    files = sorted((home / "demo" / "dataset").rglob("*.parquet"))  # the run's own state
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    assert rows > 0 and DatasetIndex(home / "dataset").summary()["rows"] == rows  # captured -> Kafka -> Parquet
+    assert rows > 0 and DatasetIndex(home / "demo" / "dataset").summary()["rows"] == rows  # captured -> Kafka -> Parquet
     loop = summary["loop"]  # traffic ran until the swapped-in drafter had shown enough, not a count
     assert loop["closed"] and loop["reason"] is None and loop["served_after_swap"] >= 8, loop
     assert summary["retrains_finished"] >= 1  # the scheduler launched a retrain that ran to the end
