@@ -169,7 +169,7 @@ class AcceptanceTracker:
         accepted = sum(c * min(a, cap) for row in self.kept_counts for a, c in enumerate(row) if c) / n
         cdf, total = [], 0
         for level in range(depth + 1):
-            total += sum(self.kept_counts[level]) if level <= self.depth else 0
+            total += sum(self.kept_counts[level])
             cdf.append(total / n if level < cap else 1.0)
         return accepted, cdf
 
