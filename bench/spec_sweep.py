@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.report import print_table, write_json
 from tide import workloads
 from tide.config import load_config
-from tide.drafter.artifact import TargetSpec, load_drafter
+from tide.drafter.artifact import TargetSpec, load_drafter, read_metadata
 from tide.drafter.static import static_drafter_path
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine, load_target
@@ -89,6 +89,7 @@ def main() -> int:
     target, tok, _ = load_target(cfg)
     path = Path(args.drafter) if args.drafter else static_drafter_path(cfg)
     drafter = load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids))
+    version = str(read_metadata(path).get("version", path.name))  # the gate's events name it
     held = workloads.load_workload(args.workload, "heldout", args.rounds * max(batches), seed=1)
     if len(held) < args.rounds * max(batches):  # an empty round would time nothing and read as 0 tok/s
         ap.error(f"{args.workload} has {len(held)} held-out prompts; --rounds {args.rounds} x batch {max(batches)} "
@@ -102,10 +103,10 @@ def main() -> int:
     size = dict(common, max_batch_size=max(batches))
     engines = {
         "target": ReferenceEngine(target, tok, None, "none", **size),
-        "fixed": ReferenceEngine(target, tok, drafter, "static", **size, scheduler="fixed"),
-        "stop_rule": ReferenceEngine(target, tok, drafter, "static", **size, scheduler="stop_rule",
+        "fixed": ReferenceEngine(target, tok, drafter, version, **size, scheduler="fixed"),
+        "stop_rule": ReferenceEngine(target, tok, drafter, version, **size, scheduler="stop_rule",
                                      draft_stop_prob=cfg.spec.draft_stop_prob),
-        "cost": ReferenceEngine(target, tok, drafter, "static", **size, scheduler="cost"),
+        "cost": ReferenceEngine(target, tok, drafter, version, **size, scheduler="cost"),
     }
     profile_s = time.perf_counter() - t0
     results, rows_out, health = {}, [("B", "mode", "tok/s", "x target-only", "90% interval")], {}

@@ -7,10 +7,13 @@ Two stages, so levers can run as separate processes (one core each):
   per CPU-minute of both training paths;
 - ``run LEVER``: one drafter trained under the same wall-time cap (``--train-s``) on its data,
   evaluated (simulated accept length at gamma) on the three held-out sets; one JSON per lever.
+- ``packaged``: the packaged static drafter (``make static-drafter``, the full recipe's compute)
+  evaluated on the same held-out sets, so a lever run at the recipe's compute has its baseline;
 ``table`` prints every lever's row side by side with the baseline's ratio.
 
     python -m bench.static_levers data --gen-prompts 240 --teacher 300
     python -m bench.static_levers run init+teacher --train-s 420
+    python -m bench.static_levers packaged
     python -m bench.static_levers table
 """
 from __future__ import annotations
@@ -91,14 +94,39 @@ def stage_run(args, parts) -> None:
     row = {"lever": args.lever, "recipe": asdict(recipe), "train_tokens": sum(len(s) for s in samples),
            "loss_tokens": int(sum(float(s.loss_mask.sum()) for s in samples)), "train_s": round(result.wall_s, 1),
            "steps": result.steps, "tokens_seen": result.tokens_seen, "untrained_chat": round(before.accept_length, 4)}
+    row.update(evaluate_heldout(drafter, target, tokenizer, eos, recipe, args.heldout, cache, home))
+    print(json.dumps(row), flush=True)
+    (cache / f"lever-{args.lever}.json").write_text(json.dumps(row, indent=1))
+
+
+def stage_packaged(args, parts) -> None:
+    """The packaged static drafter on the levers' held-out sets (a ``lever-packaged.json`` row)."""
+    from tide.drafter.artifact import TargetSpec, load_drafter, read_metadata
+    from tide.drafter.static import static_drafter_path
+
+    target, tokenizer, eos, home, cache = parts
+    path = static_drafter_path(load_config())
+    drafter = load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids))
+    meta, recipe = read_metadata(path), replace(SELF_GENERATED_RECIPE, heldout_prompts=args.heldout)
+    row = {"lever": "packaged", "recipe": meta.get("recipe", {}), "train_tokens": meta.get("train_tokens", 0),
+           "loss_tokens": meta.get("train_tokens", 0), "train_s": meta.get("train_s", 0.0), "steps": "-"}
+    row.update(evaluate_heldout(drafter, target, tokenizer, eos, recipe, args.heldout, cache, home))
+    print(json.dumps(row), flush=True)
+    (cache / "lever-packaged.json").write_text(json.dumps(row, indent=1))
+
+
+def evaluate_heldout(drafter, target, tokenizer, eos, recipe, n: int, cache: Path, home: Path) -> dict:
+    """Simulated accept length at gamma on each held-out set, pooled and per prompt."""
+    row = {}
     for kind in HELDOUT:
-        ev = evaluate(drafter, target.embed_weight, target.lm_head_weight, held[kind], recipe.gamma)
+        held = prompt_samples(target, tokenizer, eos, heldout_prompts(kind, n, recipe.seed, home), recipe, cache,
+                              f"heldout-{kind}-{n}x{recipe.max_new_tokens}", False)
+        ev = evaluate(drafter, target.embed_weight, target.lm_head_weight, held, recipe.gamma)
         row[kind] = round(ev.accept_length, 4)
         row[f"{kind}_positions"] = ev.positions
         row[f"{kind}_per_prompt"] = [round(evaluate(drafter, target.embed_weight, target.lm_head_weight, [s],
-                                                    recipe.gamma).accept_length, 4) for s in held[kind]]
-    print(json.dumps(row), flush=True)
-    (cache / f"lever-{args.lever}.json").write_text(json.dumps(row, indent=1))
+                                                    recipe.gamma).accept_length, 4) for s in held]
+    return row
 
 
 def interval90(values: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -122,7 +150,7 @@ def stage_table(args) -> None:
     base = rows.get("baseline")
     print("| lever | loss tokens | train s | steps | chat | code | korean | chat / baseline |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in LEVERS:
+    for name in ("packaged", *LEVERS):
         if name in rows:
             r = rows[name]
             ratio = f"{r['chat'] / base['chat']:.3f}" if base else "-"
@@ -132,7 +160,7 @@ def stage_table(args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=("data", "run", "table"))
+    p.add_argument("stage", choices=("data", "run", "packaged", "table"))
     p.add_argument("lever", nargs="?", choices=tuple(LEVERS))
     p.add_argument("--gen-prompts", type=int, default=240)
     p.add_argument("--teacher", type=int, default=300)
@@ -150,7 +178,7 @@ def main(argv=None) -> int:
     cfg = load_config()
     target, tokenizer, folder = load_target(cfg)
     parts = (target, tokenizer, eos_ids_of(tokenizer, folder), cfg.home_path, args.cache)
-    (stage_data if args.stage == "data" else stage_run)(args, parts)
+    {"data": stage_data, "run": stage_run, "packaged": stage_packaged}[args.stage](args, parts)
     return 0
 
 

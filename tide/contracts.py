@@ -34,6 +34,11 @@ JOB_TIMED_OUT = "timed_out"
 JOB_CANCELLED = "cancelled"  # stopped on purpose (scheduler shutdown): no backoff
 JOB_OUTCOMES = (JOB_SUCCEEDED, JOB_FAILED, JOB_TIMED_OUT, JOB_CANCELLED)
 
+# --- sampling: what the server and every engine agree a request means ---
+# Temperatures below this are greedy, as in vLLM/SGLang: dividing logits by 1e-40 overflows to
+# inf/NaN inside the batch, and the distribution is one-hot long before that anyway.
+GREEDY_TEMPERATURE = 1e-5
+
 # --- registry: aliases engines follow and operators move ---
 CHAMPION, CHALLENGER, PREVIOUS_CHAMPION = "champion", "challenger", "previous-champion"
 

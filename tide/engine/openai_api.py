@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from tide.contracts import GREEDY_TEMPERATURE
+
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_IDS = 16
@@ -57,9 +59,6 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-# Temperatures below this are greedy, as in vLLM/SGLang: dividing logits by 1e-40 overflows to
-# inf/NaN inside the batch, and the distribution is one-hot long before that anyway.
-GREEDY_TEMPERATURE = 1e-5
 # Fields of OpenAI's schema that TIDE accepts only at their "does nothing" value; anything else is
 # a 400 naming the field (silently ignoring e.g. tools would return something the client did not ask).
 _INERT_VALUES: dict[str, tuple[Any, ...]] = {

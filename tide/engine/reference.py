@@ -13,7 +13,6 @@ Callers get a blocking iterator of TokenEvents; closing it early cancels the req
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import queue
@@ -25,9 +24,10 @@ from typing import Iterator
 import torch
 
 from tide import metrics
-from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter
+from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter, read_metadata
 from tide.drafter.model import Eagle3Drafter, for_serving
 from tide.drafter.vocab import mapping_digest
+from tide.engine.accounting import EngineAccounting
 from tide.engine.base import (
     CaptureMeta,
     CaptureSink,
@@ -37,7 +37,7 @@ from tide.engine.base import (
     StepCapture,
     TokenEvent,
 )
-from tide.engine.running import Events, Running, build_feed, defer_feed
+from tide.engine.running import Events, Running, build_feed, defer_feed, new_running
 from tide.models.llama import LlamaTarget
 from tide.models.target import eos_ids_of, load_target  # noqa: F401  (re-exported)
 from tide.spec.cost import StepCostModel, profile
@@ -46,7 +46,6 @@ from tide.spec.generate import generate
 from tide.spec.policy import SpecPolicy
 
 log = logging.getLogger(__name__)
-GREEDY_TEMPERATURE = 1e-5  # the server's threshold too (tide/engine/openai_api.py)
 
 
 class ReferenceEngine(Engine):
@@ -79,8 +78,8 @@ class ReferenceEngine(Engine):
         self._inbox: "queue.Queue[Running]" = queue.Queue()
         self._running: dict[int, Running] = {}
         self._sink: CaptureSink | None = None
-        self._stats = EngineStats()
-        self._lock = threading.Lock()  # guards _stats and _pending_swap only (never held in a step)
+        self._acct = EngineAccounting()
+        self._lock = threading.Lock()  # guards _pending_swap only (never held in a step)
         self._stop = threading.Event()
         self._last_swap_pause_s = 0.0
         self.refeed_positions = refeed_positions
@@ -129,24 +128,17 @@ class ReferenceEngine(Engine):
         if not request.prompt_ids or total > self.max_seq_len:
             raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens "
                              f"({request.sampling.max_new_tokens}) must be in 1..{self.max_seq_len}")
-        gen = torch.Generator().manual_seed(request.sampling.seed) if request.sampling.seed is not None else None
         sp = request.sampling
         if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):  # would reach sampling as NaN
             raise ValueError(f"temperature and top_p must be finite, got {sp.temperature}, {sp.top_p}")
-        # below GREEDY_TEMPERATURE logits / temperature overflows; the distribution is one-hot anyway
-        temperature = sp.temperature if sp.temperature >= GREEDY_TEMPERATURE else 0.0
-        row = RowInput(slot=-1, t_len=0, pending=-1, feed_start=0, feed_tokens=torch.empty(0),
-                       feed_aux=torch.empty(0), temperature=temperature,
-                       top_p=sp.top_p, generator=gen, top_k=sp.top_k)
         meta = CaptureMeta(request_id=request.request_id, target_model_id=self.target_model_id,
                            drafter_version=self._version, aux_layer_ids=self.target.aux_layer_ids,
                            workload=request.workload, prompt_len=len(request.prompt_ids),
                            started_at_s=time.time())
-        running = Running(req=request, out=queue.Queue(), row=row, meta=meta,
-                           hist_tokens=list(request.prompt_ids))
+        running = new_running(request, meta)
         self._inbox.put(running)
         metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
-        return self._stream(running)
+        return Events(running)
 
     def swap_drafter(self, drafter: Eagle3Drafter | None, version: str) -> None:
         # prepared here, in the caller's thread: the decode loop only switches references
@@ -158,8 +150,7 @@ class ReferenceEngine(Engine):
         self._sink = sink
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self._stats.copy()
+        return self._acct.stats()
 
     def health(self) -> dict:
         return {"drafter_version": self._version, "running": len(self._running),
@@ -171,16 +162,13 @@ class ReferenceEngine(Engine):
         self._thread.join(timeout=30)
 
     # --- internals --------------------------------------------------------------------------
-    def _stream(self, running: Running) -> Events:
-        return Events(running)
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._apply_swap()
             self._admit()
             if not self._running:
-                try:
-                    self._inbox_wait()
+                try:  # wait for work, put back: _admit takes it next iteration, in FIFO order
+                    self._inbox.put(self._inbox.get(timeout=0.05))
                 except queue.Empty:
                     pass
                 continue
@@ -191,10 +179,6 @@ class ReferenceEngine(Engine):
                 self._step_each()
         for slot in list(self._running):
             self._finish(slot, "error", error="engine shutting down")
-
-    def _inbox_wait(self) -> None:
-        item = self._inbox.get(timeout=0.05)
-        self._inbox.put(item)  # keep FIFO order simple: _admit takes it next iteration
 
     def _apply_swap(self) -> None:
         with self._lock:
@@ -227,7 +211,7 @@ class ReferenceEngine(Engine):
             except queue.Empty:
                 break
             if running.cancelled.is_set():  # its client left while it waited: never prefilled
-                metrics.ENGINE_REQUESTS.labels("cancelled").inc()
+                self._acct.outcome("cancelled")
                 continue
             slot = free.pop(0)
             running.row.slot = slot
@@ -236,7 +220,7 @@ class ReferenceEngine(Engine):
             except Exception as exc:
                 log.exception("prefill failed")
                 running.out.put(TokenEvent((), True, "error", f"prefill failed: {exc}"))
-                self._count_outcome("error")
+                self._acct.outcome("error")
         metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
         metrics.ENGINE_BATCH_SIZE.set(len(self._running))
 
@@ -254,8 +238,9 @@ class ReferenceEngine(Engine):
         r.hist_tokens.append(first)
         r.hist_aux.append(out.aux_hidden[0])
         self._running[slot] = r
-        self._capture([StepCapture(r.meta, 0, torch.tensor(prompt), out.aux_hidden[0], out.final_hidden[0],
-                                   is_prompt=True)], r)
+        if r.req.capture:
+            self._offer([StepCapture(r.meta, 0, torch.tensor(prompt), out.aux_hidden[0], out.final_hidden[0],
+                                     is_prompt=True)])
         self._emit(slot, [first])
 
     def _step_each(self) -> None:
@@ -288,25 +273,8 @@ class ReferenceEngine(Engine):
         # don't draft past the context limit
         gamma = min(self.draft_len, min(self._cache_len - 2 - r.t_len for r in rows))
         version = self._version
-        results, stats = None, None
         workloads = [self._running[s].req.workload for s in slots]
-        # the switching cost a draft pays first: positions deferred by target-only steps or a swap
-        # (a prompt's own feed is not counted: it buys the drafter the request's context)
-        feed_positions = max(r.t_len - r.feed_start if r.feed_start > 0 else 0 for r in rows)
-        room = [r.req.sampling.max_new_tokens - r.generated - 1 for r in (self._running[s] for s in slots)]
-        speculate, plan = self._policy.plan(workloads, gamma, feed_positions, room) \
-            if self._drafter is not None and gamma > 0 \
-            else (False, None)
-        if speculate:
-            for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
-                build_feed(self._running[s])
-            try:
-                results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
-                                                  rows, gamma, self._policy.stop_prob, plan)
-                self._policy.observe_spec_step(workloads, stats, plan)
-            except Exception:
-                log.exception("drafter step failed; this step runs target-only")
-                metrics.ENGINE_DRAFTER_FAILURES.inc()
+        results, stats = self._speculate(slots, rows, workloads, gamma)
         if results is None:
             t_target = time.perf_counter()
             results = target_step(self.target, self._tcache, rows)
@@ -314,6 +282,39 @@ class ReferenceEngine(Engine):
             self._policy.observe_target_step(len(rows), forwards_s)
         else:
             forwards_s = stats.verify_s + stats.draft_s
+        self._commit(slots, results, drafted=stats is not None)
+        # a step the scheduler or the gate ran target-only is not the drafter's (tide/engine/accounting.py)
+        self._acct.step(version, results, stats, judged=stats is not None or self._drafter is None)
+        emitted = sum(self._emit(s, res.committed) for s, res in zip(slots, results))
+        wall_s = time.perf_counter() - t0
+        self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None, emitted)
+        metrics.ENGINE_STEP_SECONDS.observe(wall_s)
+
+    def _speculate(self, slots: list[int], rows: list[RowInput], workloads: list[str], gamma: int):
+        """A drafted step's (results, stats) if the policy drafts and the drafter does not fail, else (None, None)."""
+        if self._drafter is None or gamma <= 0:
+            return None, None
+        # the switching cost a draft pays first: positions deferred by target-only steps or a swap
+        # (a prompt's own feed is not counted: it buys the drafter the request's context)
+        feed_positions = max(r.t_len - r.feed_start if r.feed_start > 0 else 0 for r in rows)
+        room = [r.req.sampling.max_new_tokens - r.generated - 1 for r in (self._running[s] for s in slots)]
+        speculate, plan = self._policy.plan(workloads, gamma, feed_positions, room)
+        if not speculate:
+            return None, None
+        for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
+            build_feed(self._running[s])
+        try:
+            results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
+                                              rows, gamma, self._policy.stop_prob, plan)
+            self._policy.observe_spec_step(workloads, stats, plan)
+        except Exception:
+            log.exception("drafter step failed; this step runs target-only")
+            metrics.ENGINE_DRAFTER_FAILURES.inc()
+            return None, None
+        return results, stats
+
+    def _commit(self, slots: list[int], results, drafted: bool) -> None:
+        """Append each row's committed tokens and states to its history; capture them (enqueue only)."""
         caps = []
         for s, res in zip(slots, results):
             r = self._running[s]
@@ -322,41 +323,13 @@ class ReferenceEngine(Engine):
                                         res.final_hidden, is_prompt=False))
             r.hist_aux.append(res.aux_hidden)
             r.hist_tokens.extend(res.committed)
-            if stats is None and self._drafter is not None:
+            if not drafted and self._drafter is not None:
                 defer_feed(r, self.refeed_positions)  # the drafter did not run: it consumes these positions later
             else:
                 r.row.feed_start = r.row.t_len
             r.row.t_len += len(res.committed)
             r.row.pending = res.committed[-1]
         self._offer(caps)  # once per step, for all its requests
-        self._record(version, results, stats, len(slots))
-        emitted = sum(self._emit(s, res.committed) for s, res in zip(slots, results))
-        wall_s = time.perf_counter() - t0
-        self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None, emitted)
-        metrics.ENGINE_STEP_SECONDS.observe(wall_s)
-
-    def _record(self, version: str, results, stats, n_rows: int) -> None:
-        # a drafter's acceptance counts the steps it drafted: a step the scheduler or the gate ran
-        # target-only says nothing about the drafter (the guard and dashboards judge it by this)
-        judged = stats is not None or self._drafter is None
-        with self._lock:
-            st = self._stats
-            st.target_forwards += n_rows
-            acc = st.acceptance.setdefault(version, [0, 0, 0])
-            for res in results if judged else ():
-                acc[0] += 1
-                acc[1] += res.n_accepted
-                acc[2] += len(res.committed)
-        metrics.ENGINE_TARGET_FORWARDS.labels(version).inc(n_rows)
-        for res in results if judged else ():
-            metrics.ENGINE_ACCEPT_LENGTH.labels(version).observe(len(res.committed))
-        if stats is not None:
-            metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(sum(stats.drafted))
-            metrics.ENGINE_ACCEPTED_TOKENS.labels(version).inc(sum(stats.accepted))
-
-    def _capture(self, caps: list[StepCapture], r: Running) -> None:
-        if r.req.capture:
-            self._offer(caps)
 
     def _offer(self, caps: list[StepCapture]) -> None:
         sink = self._sink
@@ -384,9 +357,7 @@ class ReferenceEngine(Engine):
                 break
         if reason is None and r.row.t_len + 1 >= self.max_seq_len:
             reason = "length"
-        with self._lock:
-            self._stats.tokens_generated += len(out)
-        metrics.ENGINE_TOKENS.labels(self._version).inc(len(out))
+        self._acct.tokens(self._version, len(out))
         if reason is None:
             r.out.put(TokenEvent(tuple(out)))
         else:
@@ -404,18 +375,10 @@ class ReferenceEngine(Engine):
     def _release(self, slot: int, reason: str) -> None:
         r = self._running.pop(slot)
         if self._sink is not None and r.req.capture:
-            self._capture([StepCapture(r.meta, r.row.t_len, torch.empty(0, dtype=torch.long),
-                                       torch.empty(0, r.hist_aux[0].shape[-1]),
-                                       torch.empty(0, self.target.shape.hidden_size), False, True)], r)
-        self._count_outcome("ok" if reason in ("stop", "length") else reason)
-
-    def _count_outcome(self, outcome: str) -> None:
-        with self._lock:
-            if outcome == "ok":
-                self._stats.requests_finished += 1
-            elif outcome == "error":
-                self._stats.requests_failed += 1
-        metrics.ENGINE_REQUESTS.labels(outcome).inc()
+            self._offer([StepCapture(r.meta, r.row.t_len, torch.empty(0, dtype=torch.long),
+                                     torch.empty(0, r.hist_aux[0].shape[-1]),
+                                     torch.empty(0, self.target.shape.hidden_size), False, True)])
+        self._acct.outcome("ok" if reason in ("stop", "length") else reason)
 
 
 def build_engine(cfg) -> ReferenceEngine:
@@ -428,8 +391,7 @@ def build_engine(cfg) -> ReferenceEngine:
         path = static_drafter_path(cfg) if cfg.drafter.path == "static" else Path(cfg.drafter.path)
         spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
         drafter = load_drafter(path, spec)
-        version = json.loads((path / "tide.json").read_text()).get("version", path.name) \
-            if (path / "tide.json").exists() else path.name
+        version = str(read_metadata(path).get("version", path.name))
     return ReferenceEngine(target, tokenizer, drafter, version, target_model_id=cfg.model.model_id,
                            draft_len=cfg.spec.draft_len, draft_stop_prob=cfg.spec.draft_stop_prob,
                            max_batch_size=cfg.engine.max_batch_size,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tide.contracts import GREEDY_TEMPERATURE
 from tide.engine.base import CaptureMeta, GenerationRequest, TokenEvent
 from tide.spec.decode import RowInput
 
@@ -26,6 +27,18 @@ class Running:
     generated: int = 0
     refeed: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def new_running(request: GenerationRequest, meta: CaptureMeta) -> Running:
+    """A submitted request's state before its prefill (its slot and lengths are set at admission)."""
+    sp = request.sampling
+    gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+    # below GREEDY_TEMPERATURE logits / temperature overflows; the distribution is one-hot anyway
+    temperature = sp.temperature if sp.temperature >= GREEDY_TEMPERATURE else 0.0
+    row = RowInput(slot=-1, t_len=0, pending=-1, feed_start=0, feed_tokens=torch.empty(0),
+                   feed_aux=torch.empty(0), temperature=temperature, top_p=sp.top_p, generator=gen,
+                   top_k=sp.top_k)
+    return Running(req=request, out=queue.Queue(), row=row, meta=meta, hist_tokens=list(request.prompt_ids))
 
 
 class Events:
