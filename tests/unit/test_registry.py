@@ -172,24 +172,67 @@ def test_folder_digest_sees_every_file(drafter_folders, tmp_path):
 
 
 def test_concurrent_bootstraps_leave_one_static_champion(registry, drafter_folders):
+    """Both pass the empty check; the first to create a version (the lower number) completes
+    last, the order that once left two static versions."""
     import threading
 
-    other = Registry(registry.config, registry.home)
-    results, errors = [], []
+    first, second = registry, Registry(registry.config, registry.home)
+    both_checked, first_created = threading.Barrier(2), threading.Event()
+    second_complete, second_looked = threading.Event(), threading.Event()
 
-    def boot(r):
+    def after_check(r):
+        real = r.start_run
+        r.start_run = lambda *a, **k: (both_checked.wait(60), real(*a, **k))[1]
+
+    def ordered(r, create_after, complete_after, on_complete):
+        create, tag = r.client.create_model_version, r.client.set_model_version_tag
+
+        def create_ordered(*a, **k):
+            assert create_after is None or create_after.wait(60)
+            mv = create(*a, **k)
+            if on_complete is None:
+                first_created.set()
+            return mv
+
+        def tag_ordered(model, version, key, value):
+            if key == TAG_REGISTRATION and value == "complete":
+                assert complete_after is None or complete_after.wait(60)
+            tag(model, version, key, value)
+            if on_complete is not None and key == TAG_REGISTRATION:
+                on_complete.set()
+
+        r.client.create_model_version, r.client.set_model_version_tag = create_ordered, tag_ordered
+
+    def looked_after_completing(r):
+        real = r.list_versions
+
+        def list_versions(*a, **k):
+            listed = real(*a, **k)
+            if second_complete.is_set():
+                second_looked.set()  # the first may complete only after the second has looked
+            return listed
+
+        r.list_versions = list_versions
+
+    [after_check(r) for r in (first, second)]
+    looked_after_completing(second)
+    ordered(first, None, second_looked, None)
+    ordered(second, first_created, None, second_complete)
+    results, errors = {}, []
+
+    def boot(name, r):
         try:
-            results.append(r.ensure_bootstrap(drafter_folders[0]).version)
+            results[name] = r.ensure_bootstrap(drafter_folders[0]).version
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
-    threads = [threading.Thread(target=boot, args=(r,)) for r in (registry, other)]
+    threads = [threading.Thread(target=boot, args=item) for item in (("a", first), ("b", second))]
     [t.start() for t in threads]
     [t.join(timeout=120) for t in threads]
     assert not errors, errors
-    versions = registry.list_versions()
-    assert len(versions) == 1 and versions[0].kind == "static"
-    assert results == [versions[0].version] * 2 and registry.aliases() == {CHAMPION: versions[0].version}
+    versions = registry.list_versions(include_incomplete=True)
+    assert len(versions) == 1 and versions[0].kind == "static" and versions[0].version == 1
+    assert results == {"a": 1, "b": 1} and registry.aliases() == {CHAMPION: 1}
 
 
 # --- trust: a version's record is checked before it is used -----------------------------------

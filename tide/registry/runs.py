@@ -45,6 +45,11 @@ from tide.registry.versions import VersionInfo
 
 log = logging.getLogger(__name__)
 
+# a lower static registration still pending after this long is taken for dead (its remaining
+# step is one alias write and one tag)
+BOOTSTRAP_SETTLE_S = 60.0
+BOOTSTRAP_POLL_S = 0.2
+
 
 @dataclass(frozen=True)
 class DrafterArtifact:
@@ -203,16 +208,30 @@ class Runs:
             run.finish("FAILED")
             raise
         run.finish("FINISHED")
-        # two processes bootstrapping at once (engine and retrain job) both register: keep the
-        # lowest static version; both sides reach the same answer
-        first = min((v for v in self.list_versions(with_run=False) if v.kind == "static"),
-                    key=lambda v: v.version)
-        if first.version != info.version:
-            self.set_alias(CHAMPION, first.version)  # before deleting ours: champion never vanishes
-            self.delete_version(info.version)
-            return self.get_version(first.version)
-        log.info("registry: bootstrapped %s version %d (static) as champion", self.model_name, info.version)
-        return info
+        winner = self._settle_bootstrap(info)
+        if winner.version == info.version:
+            log.info("registry: bootstrapped %s version %d (static) as champion", self.model_name, info.version)
+        return winner
+
+    def _settle_bootstrap(self, ours: VersionInfo) -> VersionInfo:
+        """Two processes bootstrapping at once (engine and retrain job) both register: the lowest
+        static version wins, pending ones included, so both sides reach the same answer even when
+        the lower one completes last."""
+        deadline_s = time.monotonic() + BOOTSTRAP_SETTLE_S
+        while True:
+            first = min((v for v in self.list_versions(include_incomplete=True, with_run=False)
+                         if v.kind == "static"), key=lambda v: v.version)
+            if first.version == ours.version:
+                return ours
+            if first.complete:
+                self.set_alias(CHAMPION, first.version)  # before deleting ours: champion never vanishes
+                self.delete_version(ours.version)
+                return self.get_version(first.version)
+            if time.monotonic() > deadline_s:  # its process died mid-registration: ours stands
+                log.warning("registry: static version %d stayed pending; keeping %d as champion",
+                            first.version, ours.version)
+                return ours
+            time.sleep(BOOTSTRAP_POLL_S)
 
     def reap_incomplete(self) -> list[int]:
         """Delete versions left pending by dead processes and mark their RUNNING runs KILLED."""
