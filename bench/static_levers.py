@@ -29,6 +29,7 @@ import torch
 
 from tide import workloads
 from tide.config import load_config
+from tide.drafter.artifact import save_drafter
 from tide.models.target import eos_ids_of, load_target
 from tide.train.static import SELF_GENERATED_RECIPE, StaticRecipe, build_drafter, fit, prompt_samples, training_samples
 from tide.train.trainer import evaluate
@@ -45,6 +46,11 @@ LEVERS = {
     "init+teacher": (False, True, INIT),
     "teacher+gen": (True, True, {}),
     "init+teacher+gen": (True, True, INIT),
+    # a larger draft vocab covers more of the target's greedy tokens (``<kind>_coverage``) at the
+    # cost of a wider drafter lm_head, in training and at every draft step
+    "vocab16k": (True, False, {"draft_vocab_size": 16384}),
+    "vocab32k": (True, False, {"draft_vocab_size": 32768}),
+    "init+vocab16k": (True, False, {**INIT, "draft_vocab_size": 16384}),
 }
 HELDOUT = ("chat", "code", "korean")
 
@@ -97,6 +103,9 @@ def stage_run(args, parts) -> None:
     row.update(evaluate_heldout(drafter, target, tokenizer, eos, recipe, args.heldout, cache, home))
     print(json.dumps(row), flush=True)
     (cache / f"lever-{args.lever}.json").write_text(json.dumps(row, indent=1))
+    if args.save:  # a drafter artifact bench/spec_decode.py and bench/spec_sweep.py can load
+        save_drafter(drafter, args.save, metadata={"version": f"lever-{args.lever}", "recipe": asdict(recipe),
+                                                   "heldout_sim_accept_length": row["chat"]}, dtype=torch.bfloat16)
 
 
 def stage_packaged(args, parts) -> None:
@@ -123,6 +132,9 @@ def evaluate_heldout(drafter, target, tokenizer, eos, recipe, n: int, cache: Pat
                               f"heldout-{kind}-{n}x{recipe.max_new_tokens}", False)
         ev = evaluate(drafter, target.embed_weight, target.lm_head_weight, held, recipe.gamma)
         row[kind] = round(ev.accept_length, 4)
+        # a target token outside the draft vocab can never be drafted: a ceiling on acceptance
+        generated = torch.cat([s.tokens[s.loss_mask.bool()] for s in held])
+        row[f"{kind}_coverage"] = round(float(drafter.t2d[generated].float().mean()), 4)
         row[f"{kind}_positions"] = ev.positions
         row[f"{kind}_per_prompt"] = [round(evaluate(drafter, target.embed_weight, target.lm_head_weight, [s],
                                                     recipe.gamma).accept_length, 4) for s in held]
@@ -145,17 +157,21 @@ def cell(r: dict, kind: str) -> str:
     return f"{r[kind]:.3f} [{lo:.2f}, {hi:.2f}]"
 
 
+def coverage(r: dict) -> str:
+    return " / ".join(f"{r[f'{k}_coverage']:.3f}" if f"{k}_coverage" in r else "-" for k in HELDOUT)
+
+
 def stage_table(args) -> None:
     rows = {p.stem.removeprefix("lever-"): json.loads(p.read_text()) for p in sorted(args.cache.glob("lever-*.json"))}
     base = rows.get("baseline")
-    print("| lever | loss tokens | train s | steps | chat | code | korean | chat / baseline |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| lever | loss tokens | train s | steps | chat | code | korean | chat / baseline | coverage chat / code / korean |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in ("packaged", *LEVERS):
         if name in rows:
             r = rows[name]
             ratio = f"{r['chat'] / base['chat']:.3f}" if base else "-"
             print(f"| {name} | {r['loss_tokens']} | {r['train_s']} | {r['steps']} | {cell(r, 'chat')} | "
-                  f"{cell(r, 'code')} | {cell(r, 'korean')} | {ratio} |")
+                  f"{cell(r, 'code')} | {cell(r, 'korean')} | {ratio} | {coverage(r)} |")
 
 
 def main(argv=None) -> int:
@@ -167,6 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--heldout", type=int, default=24)
     p.add_argument("--train-s", type=float, default=420.0)
     p.add_argument("--cache", type=Path, default=Path("/tmp/tide-static-levers"))
+    p.add_argument("--save", type=Path, default=None, help="run: also save the trained drafter here")
     args = p.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.stage == "table":
