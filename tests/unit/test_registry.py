@@ -184,22 +184,24 @@ def test_concurrent_bootstraps_leave_one_static_champion(registry, drafter_folde
         real = r.start_run
         r.start_run = lambda *a, **k: (both_checked.wait(60), real(*a, **k))[1]
 
-    def ordered(r, create_after, complete_after, on_complete):
+    def ordered(r, create_after=None, created=None, complete_after=None, completed=None):
+        """r's version is created after ``create_after`` and marked complete after ``complete_after``."""
         create, tag = r.client.create_model_version, r.client.set_model_version_tag
 
         def create_ordered(*a, **k):
             assert create_after is None or create_after.wait(60)
             mv = create(*a, **k)
-            if on_complete is None:
-                first_created.set()
+            if created is not None:
+                created.set()
             return mv
 
         def tag_ordered(model, version, key, value):
-            if key == TAG_REGISTRATION and value == "complete":
+            finishing = key == TAG_REGISTRATION and value == "complete"
+            if finishing:
                 assert complete_after is None or complete_after.wait(60)
             tag(model, version, key, value)
-            if on_complete is not None and key == TAG_REGISTRATION:
-                on_complete.set()
+            if finishing and completed is not None:
+                completed.set()
 
         r.client.create_model_version, r.client.set_model_version_tag = create_ordered, tag_ordered
 
@@ -216,8 +218,8 @@ def test_concurrent_bootstraps_leave_one_static_champion(registry, drafter_folde
 
     [after_check(r) for r in (first, second)]
     looked_after_completing(second)
-    ordered(first, None, second_looked, None)
-    ordered(second, first_created, None, second_complete)
+    ordered(first, created=first_created, complete_after=second_looked)
+    ordered(second, create_after=first_created, completed=second_complete)
     results, errors = {}, []
 
     def boot(name, r):
