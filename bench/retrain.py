@@ -49,7 +49,7 @@ HELDOUT_FRACTION = 0.1
 
 
 def source_samples(cfg, prompts: int):
-    from tide.train.static import load_samples
+    from tide.train.generation_pool import load_samples
 
     cached = sorted((cfg.home_path / "train-cache" / "static").glob("train-*.safetensors"))
     if cached:
@@ -58,8 +58,8 @@ def source_samples(cfg, prompts: int):
     if not path.exists():
         from tide import workloads
         from tide.engine.reference import eos_ids_of, load_target
+        from tide.train.generation_pool import save_samples
         from tide.train.offline import generate_samples, render_prompt
-        from tide.train.static import save_samples
 
         target, tok, folder = load_target(cfg)
         chat = workloads.sharegpt("train", prompts, 0, kind="chat", home=cfg.home_path)

@@ -1,17 +1,18 @@
 """Target-only vs speculative decoding, side by side in one run, on held-out prompts.
 
-For each held-out ShareGPT chat prompt (never trained on), both modes decode the same number of
-tokens, alternating which goes first so drift in machine load hits both alike. Reports mean
-tokens committed per target forward, per-position acceptance, decode tokens/s of each mode and
-their ratio (prefill excluded from both). ``--batch B`` repeats the comparison through the
-batched reference engine with B concurrent requests.
+For each held-out prompt (never trained on), every mode (target-only, then one per ``--drafter``)
+decodes the same number of tokens, the order of modes rotating per prompt so drift in machine load
+hits all alike. Reports per drafter: tokens committed per target forward, per-position acceptance,
+decode tokens/s and the ratio to target-only (prefill excluded), each with a 90% paired-bootstrap
+interval over prompts; with two or more drafters, each one's ratios to the first. ``--batch B``
+repeats the comparison through the batched reference engine with B concurrent requests (first
+drafter).
 
-    python -m bench.spec_decode [--prompts 16] [--max-new-tokens 64] [--gamma 4] [--json out.json]
+    python -m bench.spec_decode [--prompts 16] [--max-new-tokens 64] [--drafter DIR ...] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -29,6 +30,8 @@ from tide.report import ModeResult, ratio_interval
 from tide.spec.generate import generate
 from tide.train.offline import render_prompt
 
+TARGET = "target-only"
+
 
 def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0):
     t0 = time.perf_counter()
@@ -36,25 +39,27 @@ def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0):
     return out, stats, time.perf_counter() - t0
 
 
-def single_stream(target, drafter, prompts, n, gamma, stop_prob=0.0):
-    """Per prompt: prefill time is measured separately (a 1-token run) and subtracted."""
-    res = {"target": ModeResult(), "spec": ModeResult()}
-    accept_lengths, pos_accepts, forwards, identical = [], [0] * gamma, 0, 0
+def single_stream(target, drafters: dict, prompts, n, gamma, stop_prob=0.0):
+    """Per prompt, target-only and each drafter (order rotated); prefill time is measured
+    separately (a 1-token run) and subtracted. Returns per mode: its ``ModeResult``, and per
+    drafter the acceptance rate by draft position."""
+    modes = [(TARGET, None), *drafters.items()]
+    res = {name: ModeResult() for name, _ in modes}
+    pos_accepts = {name: [0] * gamma for name in drafters}
     for i, ids in enumerate(prompts):
         _, _, prefill_s = timed_generate(target, None, ids, 1, gamma)
-        order = [("target", None), ("spec", drafter)]
         outs = {}
-        for name, d in (order if i % 2 == 0 else order[::-1]):
+        for name, d in modes[i % len(modes):] + modes[:i % len(modes)]:
             out, stats, s = timed_generate(target, d, ids, n, gamma, stop_prob)
             outs[name] = out
             res[name].add(tokens=len(out) - 1, decode_s=max(1e-6, s - prefill_s), forwards=stats.target_forwards,
                           committed=len(out) - 1 if d is None else sum(stats.accept_lengths))
-            if name == "spec":
-                accept_lengths += stats.accept_lengths
-                pos_accepts = [a + b for a, b in zip(pos_accepts, stats.position_accepts)]
-                forwards += stats.target_forwards
-        identical += outs["target"] == outs["spec"]
-    return res, accept_lengths, [a / max(1, forwards) for a in pos_accepts], identical
+            if d is not None:
+                pos_accepts[name] = [a + b for a, b in zip(pos_accepts[name], stats.position_accepts)]
+        for name in drafters:
+            res[name].identical_to_target += outs[name] == outs[TARGET]
+    rates = {name: [a / max(1, res[name].forwards) for a in pos_accepts[name]] for name in drafters}
+    return res, rates
 
 
 def batched(engine_args, prompts, n, batch):
@@ -76,6 +81,27 @@ def batched(engine_args, prompts, n, batch):
         engine.close()
 
 
+def drafter_summary(name: str, path: Path, res: dict, rates: list[float]) -> dict:
+    """One drafter's figures against target-only, with 90% intervals over prompts."""
+    spec, plain = res[name], res[TARGET]
+    return {"drafter": str(path), "tokens_per_forward": spec.tokens_per_forward,
+            "tokens_per_forward_interval_90": list(ratio_interval(spec, plain, "tokens_per_forward")),
+            "position_acceptance": rates, "spec_tok_s": spec.tokens_per_s,
+            "speedup": spec.tokens_per_s / plain.tokens_per_s,
+            "speedup_interval_90": list(ratio_interval(spec, plain, "tokens_per_s")),
+            "identical_outputs": spec.identical_to_target}
+
+
+def drafter_rows(name: str, d: dict, prompts: int) -> list[tuple[str, str]]:
+    lo, hi = d["tokens_per_forward_interval_90"]
+    s_lo, s_hi = d["speedup_interval_90"]
+    return [(f"[{name}] tokens per target forward", f"{d['tokens_per_forward']:.3f} (90% {lo:.3f}-{hi:.3f})"),
+            (f"[{name}] acceptance by draft position", " ".join(f"{r:.2f}" for r in d["position_acceptance"])),
+            (f"[{name}] speculative decode tok/s", f"{d['spec_tok_s']:.2f}"),
+            (f"[{name}] speedup over target-only", f"{d['speedup']:.3f}x (90% {s_lo:.3f}-{s_hi:.3f})"),
+            (f"[{name}] greedy outputs identical", f"{d['identical_outputs']}/{prompts}")]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -83,7 +109,8 @@ def main() -> int:
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default: config spec.draft_len)")
     ap.add_argument("--stop-prob", type=float, default=None,
                     help="stop drafting below this draft probability (default: config spec.draft_stop_prob)")
-    ap.add_argument("--drafter", default=None, help="drafter folder (default: the static drafter)")
+    ap.add_argument("--drafter", action="append", default=None,
+                    help="drafter folder; repeat to compare several in one run (default: the static drafter)")
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--batch", type=int, default=0, help="also compare through the engine at this batch size")
     ap.add_argument("--threads", type=int, default=1)
@@ -93,38 +120,36 @@ def main() -> int:
     gamma = args.gamma or cfg.spec.draft_len
     stop_prob = cfg.spec.draft_stop_prob if args.stop_prob is None else args.stop_prob
     target, tok, _ = load_target(cfg)
-    path = Path(args.drafter) if args.drafter else static_drafter_path(cfg)
-    # as the engine serves it: linears on the row kernel over bf16 weights (where it runs)
-    drafter = for_serving(load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size,
-                                                        target.aux_layer_ids)))
+    paths = [Path(p) for p in args.drafter] if args.drafter else [static_drafter_path(cfg)]
+    spec_of_target = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
+    # as the engine serves them: linears on the row kernel over bf16 weights (where it runs)
+    names = [f"{i + 1}:{p.name}" for i, p in enumerate(paths)]
+    drafters = {name: for_serving(load_drafter(p, spec_of_target)) for name, p in zip(names, paths)}
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
-    res, accept_lengths, pos_rates, identical = single_stream(target, drafter, prompts, args.max_new_tokens, gamma, stop_prob)
-    tps = {k: v.tokens_per_s for k, v in res.items()}
-    # how much the speedup depends on which prompts were drawn (and on per-prompt timing noise)
-    speedup_lo, speedup_hi = ratio_interval(res["spec"], res["target"], "tokens_per_s")
-    summary = {
-        "workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob, "drafter": str(path),
-        "tokens_per_forward": statistics.mean(accept_lengths) if accept_lengths else 1.0,
-        "position_acceptance": pos_rates, "target_tok_s": tps["target"], "spec_tok_s": tps["spec"],
-        "speedup": tps["spec"] / tps["target"], "speedup_interval_90": [speedup_lo, speedup_hi],
-        "identical_outputs": identical,
-    }
+    res, rates = single_stream(target, drafters, prompts, args.max_new_tokens, gamma, stop_prob)
+    per = {name: drafter_summary(name, p, res, rates[name]) for name, p in zip(names, paths)}
+    first = per[names[0]]
+    summary = {"workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob,
+               "target_tok_s": res[TARGET].tokens_per_s, **first, "drafters": per}
     rows = [("metric", "value"), ("prompts (held-out)", len(prompts)), ("draft length (max)", gamma),
-            ("draft stop probability", stop_prob),
-            ("tokens per target forward", f"{summary['tokens_per_forward']:.3f}"),
-            ("acceptance by draft position", " ".join(f"{r:.2f}" for r in pos_rates)),
-            ("target-only decode tok/s", f"{tps['target']:.2f}"), ("speculative decode tok/s", f"{tps['spec']:.2f}"),
-            ("speedup (spec / target-only)", f"{summary['speedup']:.3f}x"),
-            ("speedup, 90% interval over prompts", f"{speedup_lo:.3f}x - {speedup_hi:.3f}x"),
-            ("greedy outputs identical", f"{identical}/{len(prompts)}")]
+            ("draft stop probability", stop_prob), ("target-only decode tok/s", f"{res[TARGET].tokens_per_s:.2f}")]
+    for name in names:
+        rows += drafter_rows(name, per[name], len(prompts))
+    for name in names[1:]:  # side by side: each drafter over the first, same prompts
+        comp = {m: (getattr(res[name], m) / getattr(res[names[0]], m),
+                    *ratio_interval(res[name], res[names[0]], m)) for m in ("tokens_per_forward", "tokens_per_s")}
+        per[name]["over_first"] = comp
+        rows += [(f"[{name} / {names[0]}] {m.replace('_', ' ')}", f"{v:.3f}x (90% {lo:.3f}-{hi:.3f})")
+                 for m, (v, lo, hi) in comp.items()]
     if args.batch:
+        drafter = drafters[names[0]]
         common = dict(target_model_id=cfg.model.model_id, draft_len=gamma, draft_stop_prob=stop_prob, max_seq_len=cfg.model.max_seq_len, eos_ids=())
         plain = batched(((target, tok, None, "none"), common), prompts, args.max_new_tokens, args.batch)
         spec = batched(((target, tok, drafter, "static"), common), prompts, args.max_new_tokens, args.batch)
         summary.update(batch=args.batch, batched_target_tok_s=plain, batched_spec_tok_s=spec, batched_speedup=spec / plain)
         rows += [(f"engine batch={args.batch} target-only tok/s", f"{plain:.2f}"),
-                 (f"engine batch={args.batch} speculative tok/s", f"{spec:.2f}"),
+                 (f"engine batch={args.batch} speculative tok/s ({names[0]})", f"{spec:.2f}"),
                  (f"engine batch={args.batch} speedup", f"{spec / plain:.3f}x")]
     print_table(f"speculative decoding bench ({args.workload}, {args.max_new_tokens} new tokens/prompt)", rows)
     write_json(args.json, summary)

@@ -33,7 +33,7 @@ T0 = 1_750_000_000.0
 
 
 def _cached_samples(path: Path, make):
-    from tide.train.static import load_samples, save_samples
+    from tide.train.generation_pool import load_samples, save_samples
 
     if path.exists():
         return load_samples(path)
@@ -66,7 +66,7 @@ def real():
     chat_path = cache / f"chat-{N_CHAT}-{MAX_NEW_TOKENS}.safetensors"
     static_cache = sorted((cfg.home_path / "train-cache" / "static").glob("train-*.safetensors"))
     if not chat_path.exists() and static_cache:  # the static recipe's own ShareGPT states
-        from tide.train.static import load_samples
+        from tide.train.generation_pool import load_samples
         chat = load_samples(static_cache[-1])[:N_CHAT]
     else:
         chat = _cached_samples(chat_path, lambda: generate(

@@ -1,0 +1,56 @@
+"""Sharded self-generation: worker processes give exactly the samples one process gives, in order."""
+import pytest
+import torch
+
+from tide.train.generation_pool import TargetSource, generate_sharded, load_samples, save_samples, shard_bounds
+from tide.train.offline import generate_samples
+
+
+@pytest.mark.parametrize("n,workers,batch", [(10, 2, 3), (7, 2, 8), (32, 3, 4), (5, 8, 1), (1, 2, 4)])
+def test_shards_cover_the_prompts_in_whole_batches(n, workers, batch):
+    bounds = shard_bounds(n, workers, batch)
+    assert len(bounds) <= workers
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a < b for a, b in bounds)
+    assert all(b0 == a1 for (_, b0), (a1, _) in zip(bounds, bounds[1:]))  # contiguous, no overlap
+    assert all(a % batch == 0 for a, _ in bounds)  # each shard starts a batch of the one-process run
+
+
+def test_no_prompts_no_shards():
+    assert shard_bounds(0, 2, 4) == []
+
+
+def test_sharded_generation_equals_one_process(tmp_path):
+    from tide.models.llama import LlamaTarget
+    from tide.models.tiny import tiny_llama_checkpoint
+
+    folder = tiny_llama_checkpoint(tmp_path / "target")
+    source = TargetSource(str(folder), (1, 2, 3), "float32", 256)
+    target = LlamaTarget.from_folder(folder, source.aux_layer_ids, torch.float32, source.max_seq_len)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, target.shape.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 20, (7,), generator=g)]
+    eos = (2,)
+    one = generate_samples(target, prompts, 12, eos, batch_size=3, progress=False)
+    sharded = generate_sharded(source, prompts, 12, eos, batch_size=3, workers=2, scratch=tmp_path / "scratch")
+    assert len(sharded) == len(one) == len(prompts)
+    for a, b in zip(one, sharded):
+        assert torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
+    assert not list((tmp_path / "scratch").iterdir())  # shard files are removed
+
+
+def test_samples_file_round_trip(tmp_path):
+    from tide.train.trainer import Sample
+
+    g = torch.Generator().manual_seed(1)
+    samples = [Sample(tokens=torch.randint(0, 50, (n,), generator=g), loss_mask=(torch.arange(n) >= 2).float(),
+                      aux=torch.randn(n, 12, generator=g).bfloat16(), final=torch.randn(n, 4, generator=g).bfloat16())
+               for n in (3, 5, 11)]
+    save_samples(samples, tmp_path / "s.safetensors")
+    back = load_samples(tmp_path / "s.safetensors")
+    assert [len(s) for s in back] == [3, 5, 11]
+    for a, b in zip(samples, back):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
+        assert torch.equal(a.loss_mask, b.loss_mask)
