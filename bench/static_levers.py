@@ -9,11 +9,14 @@ Two stages, so levers can run as separate processes (one core each):
   evaluated (simulated accept length at gamma) on the three held-out sets; one JSON per lever.
 - ``packaged``: the packaged static drafter (``make static-drafter``, the full recipe's compute)
   evaluated on the same held-out sets, so a lever run at the recipe's compute has its baseline;
+  with ``--drafter DIR --name NAME`` any drafter artifact (a ``tide train --static --recipe`` run),
+  as row NAME;
 ``table`` prints every lever's row side by side with the baseline's ratio.
 
     python -m bench.static_levers data --gen-prompts 240 --teacher 300
     python -m bench.static_levers run init+teacher --train-s 420
     python -m bench.static_levers packaged
+    python -m bench.static_levers packaged --drafter /tmp/scaled/drafter --name scaled
     python -m bench.static_levers table
 """
 from __future__ import annotations
@@ -109,19 +112,21 @@ def stage_run(args, parts) -> None:
 
 
 def stage_packaged(args, parts) -> None:
-    """The packaged static drafter on the levers' held-out sets (a ``lever-packaged.json`` row)."""
+    """The packaged static drafter (or ``--drafter``) on the levers' held-out sets (a
+    ``lever-<name>.json`` row)."""
     from tide.drafter.artifact import TargetSpec, load_drafter, read_metadata
     from tide.drafter.static import static_drafter_path
 
     target, tokenizer, eos, home, cache = parts
-    path = static_drafter_path(load_config())
+    path = args.drafter or static_drafter_path(load_config())
     drafter = load_drafter(path, TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids))
     meta, recipe = read_metadata(path), replace(SELF_GENERATED_RECIPE, heldout_prompts=args.heldout)
-    row = {"lever": "packaged", "recipe": meta.get("recipe", {}), "train_tokens": meta.get("train_tokens", 0),
-           "loss_tokens": meta.get("train_tokens", 0), "train_s": meta.get("train_s", 0.0), "steps": "-"}
+    row = {"lever": args.name, "recipe": meta.get("recipe", {}), "train_tokens": meta.get("train_tokens", 0),
+           "loss_tokens": meta.get("loss_tokens", meta.get("train_tokens", 0)), "train_s": meta.get("train_s", 0.0),
+           "generation_s": meta.get("generation_s"), "steps": "-"}
     row.update(evaluate_heldout(drafter, target, tokenizer, eos, recipe, args.heldout, cache, home))
     print(json.dumps(row), flush=True)
-    (cache / "lever-packaged.json").write_text(json.dumps(row, indent=1))
+    (cache / f"lever-{args.name}.json").write_text(json.dumps(row, indent=1))
 
 
 def evaluate_heldout(drafter, target, tokenizer, eos, recipe, n: int, cache: Path, home: Path) -> dict:
@@ -166,7 +171,7 @@ def stage_table(args) -> None:
     base = rows.get("baseline")
     print("| lever | loss tokens | train s | steps | chat | code | korean | chat / baseline | coverage chat / code / korean |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in ("packaged", *LEVERS):
+    for name in ("packaged", *LEVERS, *sorted(set(rows) - set(LEVERS) - {"packaged"})):
         if name in rows:
             r = rows[name]
             ratio = f"{r['chat'] / base['chat']:.3f}" if base else "-"
@@ -184,6 +189,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-s", type=float, default=420.0)
     p.add_argument("--cache", type=Path, default=Path("/tmp/tide-static-levers"))
     p.add_argument("--save", type=Path, default=None, help="run: also save the trained drafter here")
+    p.add_argument("--drafter", type=Path, default=None, help="packaged: evaluate this drafter folder instead")
+    p.add_argument("--name", default="packaged", help="packaged: the row's name (lever-NAME.json)")
     args = p.parse_args(argv)
     args.cache.mkdir(parents=True, exist_ok=True)
     if args.stage == "table":

@@ -250,7 +250,7 @@ class TrainConfig:
     # where a retrain runs (tide/train/device.py): auto = the GPU when PyTorch sees one (ROCm
     # builds call AMD GPUs cuda too); cuda without one fails. bf16 = autocast, fp32 master weights
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16
+    precision: str = "fp32"  # fp32 | bf16 | auto (bf16 where the device has native bf16)
     # who trains: TIDE's trainer, or SpecForge's EAGLE3 trainer where it is installed with a GPU
     # (tide/train/specforge_backend.py; refused before any work otherwise)
     backend: str = "tide"  # tide | specforge
@@ -389,7 +389,7 @@ class TideConfig:
 
 
 # string fields with a closed set of values: anything else is refused when the config is read
-CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16"),
+CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16", "auto"),
            "train.backend": ("tide", "specforge"), "spec.scheduler": ("fixed", "stop_rule", "cost")}
 
 

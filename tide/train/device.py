@@ -5,8 +5,10 @@
 - ``cuda`` without a usable GPU is an error that says which build is installed: a retrain Job that
   asked for a GPU and got none must fail loudly, not train for an hour on the CPU.
 - ``bf16`` runs the forward and backward under autocast while the optimizer keeps fp32 master
-  weights (the parameters stay fp32); ``fp32`` is today's arithmetic. The exported artifact is
-  bf16 safetensors either way (``tide.drafter.artifact.save_drafter``).
+  weights (the parameters stay fp32); ``fp32`` is today's arithmetic; ``auto`` is bf16 where the
+  device multiplies bf16 natively (a GPU that supports it; a CPU with AVX512-BF16 or AMX) and fp32
+  elsewhere, where emulated bf16 would be slower than fp32. The exported artifact is bf16
+  safetensors either way (``tide.drafter.artifact.save_drafter``).
 """
 from __future__ import annotations
 
@@ -50,11 +52,25 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def autocast(device: torch.device, precision: str):
-    """The context the forward and backward run in: bf16 autocast, or nothing for fp32."""
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 natively (not emulated through fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``fp32|bf16|auto`` -> the arithmetic a step runs in on ``device`` (``fp32`` or ``bf16``)."""
     if precision not in PRECISIONS:
         raise DeviceError(f"train.precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp32":
+    if precision == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    return precision
+
+
+def autocast(device: torch.device, precision: str):
+    """The context the forward and backward run in: bf16 autocast, or nothing for fp32."""
+    if resolve_precision(precision, device) == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 

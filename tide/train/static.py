@@ -68,8 +68,8 @@ class StaticRecipe:
     max_train_s: float | None = None
     lr: float = 2e-3
     batch_tokens: int = 1024
-    # training arithmetic (tide/train/device.py): bf16 autocast pays only on CPUs with native bf16
-    # dot products (AVX512-BF16, AMX); held-out evaluation is fp32 either way
+    # training arithmetic (tide/train/device.py): fp32 | bf16 | auto (bf16 where the CPU has native
+    # bf16 dot products: AVX512-BF16, AMX); held-out evaluation is fp32 either way
     precision: str = "fp32"
     ttt_length: int = 4
     gamma: int = 4
@@ -90,7 +90,7 @@ SELF_GENERATED_RECIPE = StaticRecipe()
 # more of what wins at equal compute (the target's own answers, more passes over them) in the same
 # CPU budget: generation on two cores, training under bf16 autocast, the schedule capped in time.
 # Not the default until the demo's online retrain is re-verified against the drafter it makes
-SCALED_RECIPE = StaticRecipe(train_prompts=3200, generation_workers=2, precision="bf16", epochs=5,
+SCALED_RECIPE = StaticRecipe(train_prompts=3200, generation_workers=2, precision="auto", epochs=5,
                              max_train_s=2100.0)
 # ``tide train --static --recipe NAME``
 RECIPES = {"default": StaticRecipe(), "self-generated": SELF_GENERATED_RECIPE, "scaled": SCALED_RECIPE}

@@ -9,7 +9,7 @@ import torch
 
 from tests.unit.train.test_trainer import _samples
 from tide.config import ConfigError, load_config
-from tide.train.device import DeviceError, autocast, resolve_device
+from tide.train.device import DeviceError, autocast, resolve_device, resolve_precision
 from tide.train.objective import eagle3_loss
 from tide.train.trainer import collate, make_batches, prepare, train
 
@@ -94,3 +94,20 @@ def test_device_and_precision_keys_are_validated(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDE_TRAIN__PRECISION", "fp16")
     with pytest.raises(ConfigError, match="train.precision"):
         load_config(None)
+
+
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):
+    cpu = torch.device("cpu")
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert resolve_precision("auto", cpu) == expected
+        x = torch.randn(4, 8)
+        with autocast(cpu, "auto"):
+            y = torch.nn.functional.linear(x, torch.randn(3, 8))
+        assert y.dtype == (torch.bfloat16 if expected == "bf16" else torch.float32)
+    assert resolve_precision("fp32", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
+    with pytest.raises(DeviceError, match="train.precision"):
+        resolve_precision("fp16", cpu)
+    monkeypatch.setenv("TIDE_TRAIN__PRECISION", "auto")
+    assert load_config(None).train.precision == "auto"
