@@ -28,6 +28,7 @@ from tide.drafter.confidence import frozen
 from tide.drafter.static import cached_static_path
 from tide.models.target import eos_ids_of, load_target
 from tide.train.confidence import fit_confidence
+from tide.train.device import PRECISIONS
 from tide.train.generation_pool import TargetSource, generate_sharded, load_samples, save_samples
 from tide.train.offline import corpus_counts, generate_samples, new_drafter, render_prompt
 from tide.train.target_init import init_from_target
@@ -80,6 +81,13 @@ class StaticRecipe:
     # a calibrated confidence head (tide/train/confidence.py); off for the reason train.confidence_head is
     confidence_head: bool = False
 
+    def __post_init__(self):
+        # refused when the recipe is made, not an hour later when training starts
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"StaticRecipe.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.generation_workers < 1:
+            raise ValueError(f"StaticRecipe.generation_workers must be >= 1, got {self.generation_workers}")
+
     @property
     def max_len(self) -> int:
         return self.max_prompt_tokens + max(self.max_new_tokens, self.max_reply_tokens)
@@ -117,7 +125,8 @@ def prompt_samples(target, tokenizer, eos, prompts, recipe: StaticRecipe, cache:
 
     def build():
         ids = [render_prompt(tokenizer, p.chat_messages(), recipe.max_prompt_tokens) for p in prompts]
-        if source is not None and recipe.generation_workers > 1:
+        # one batch or less: a worker would only reload the target to do what this process can
+        if source is not None and recipe.generation_workers > 1 and len(ids) > recipe.generation_batch:
             return generate_sharded(source, ids, new_tokens, tuple(eos), recipe.generation_batch,
                                     recipe.generation_workers, cache)
         return generate_samples(target, ids, new_tokens, eos, batch_size=recipe.generation_batch)

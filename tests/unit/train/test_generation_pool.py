@@ -54,3 +54,13 @@ def test_samples_file_round_trip(tmp_path):
     for a, b in zip(samples, back):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
         assert torch.equal(a.loss_mask, b.loss_mask)
+
+
+def test_a_bad_recipe_is_refused_when_made():
+    from tide.train.static import StaticRecipe
+
+    with pytest.raises(ValueError, match="precision"):
+        StaticRecipe(precision="fp16")
+    with pytest.raises(ValueError, match="generation_workers"):
+        StaticRecipe(generation_workers=0)
+    assert StaticRecipe(precision="auto", generation_workers=2).generation_workers == 2
