@@ -44,9 +44,15 @@ from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_v
 class DemoSettings:
     before_requests: int = 48
     # after the swap, traffic goes on until the adapted drafter has served this many requests and
-    # this many target forwards, and the dashboard has a sample of it (events, not request counts)
+    # this many target forwards, and the dashboard has a sample of it (events, not request counts).
+    # Served forwards count every row, drafted or not: the demo's engine runs the cost scheduler,
+    # which at this concurrency on a small CPU runs most steps target-only (a verify of 6 rows x
+    # (1 + drafts) costs several passes over the weights), so drafted forwards, what the live
+    # acceptance reading is made of, come slowly; a reading needs about a hundred (its per-forward
+    # spread is ~0.7 tokens, so ~±0.07)
     after_requests: int = 32
     after_min_forwards: int = 1500
+    after_min_drafted_forwards: int = 100
     concurrency: int = 6
     max_tokens: int = 64
     # the first retrain triggers once ~100 code requests follow the 48 chat ones: on held-out code
@@ -74,7 +80,8 @@ class DemoSettings:
     def quick(cls) -> "DemoSettings":
         # the retrain triggers on all new tokens, chat included: 7.5k leaves ~6k of code in it
         # (6k left ~4k, a minority of the training requests, and a challenger no better)
-        return cls(before_requests=8, after_requests=12, after_min_forwards=600, concurrency=6,
+        return cls(before_requests=8, after_requests=12, after_min_forwards=600, after_min_drafted_forwards=30,
+                   concurrency=6,
                    max_tokens=48, retrain_min_tokens=7_500, retrain_max_train_tokens=8_000, retrain_max_s=120.0,
                    compare_prompts=4, compare_max_tokens=32, swap_timeout_s=12 * 60, after_timeout_s=3 * 60,
                    # a handful of held-out requests: a 2% margin on them is within their noise, so the
@@ -211,7 +218,8 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
 class LoopWatch:
     """Phase 2's stop rule. Traffic goes on until the loop has shown what it must: the engine
     swapped to a retrained drafter, which then served ``after_requests`` requests and
-    ``after_min_forwards`` target forwards, and the stack's Prometheus has recorded its acceptance
+    ``after_min_forwards`` target forwards (``after_min_drafted_forwards`` of them on rows it
+    drafted), and the stack's Prometheus has recorded its acceptance
     (the dashboard's series). Each wait is bounded; past a bound ``reason`` says which event did
     not come and where the loop stood."""
 
@@ -285,9 +293,13 @@ class LoopWatch:
         s, out = self.settings, []
         if self.served_after < s.after_requests:
             out.append(f"{s.after_requests} requests served by it ({self.served_after} so far)")
-        forwards = self.sampler.forwards_since(self.t_swap - self.sampler.t0, self.version)
-        if forwards < s.after_min_forwards:
-            out.append(f"{s.after_min_forwards} live target forwards ({forwards:.0f} so far)")
+        since_s = self.t_swap - self.sampler.t0
+        served = self.sampler.served_forwards_since(since_s, self.version)
+        if served < s.after_min_forwards:
+            out.append(f"{s.after_min_forwards} live target forwards ({served:.0f} so far)")
+        drafted = self.sampler.forwards_since(since_s, self.version)
+        if drafted < s.after_min_drafted_forwards:
+            out.append(f"{s.after_min_drafted_forwards} live target forwards of drafted rows ({drafted:.0f} so far)")
         base = self.stack.endpoints.get("prometheus")
         if base is not None and not prometheus.has_accept_sample(base, self.version):
             out.append(f"a dashboard sample of {prometheus.ACCEPT_SERIES} for it")

@@ -84,17 +84,28 @@ def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_token
     return result
 
 
-def parse_acceptance(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """{drafter_version: (sum of committed tokens, target forwards)} from the engine's /metrics."""
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
+def _by_version(metrics_text: str, *names: str) -> list[dict[str, float]]:
+    """For each series name: {drafter_version: value} from the engine's /metrics text."""
+    found: list[dict[str, float]] = [{} for _ in names]
     for line in metrics_text.splitlines():
-        for name, into in (("tide_engine_accept_length_tokens_sum{", sums),
-                           ("tide_engine_accept_length_tokens_count{", counts)):
-            if line.startswith(name):
+        for name, into in zip(names, found):
+            if line.startswith(name + "{"):
                 version = line.split('drafter_version="')[1].split('"')[0]
                 into[version] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def parse_acceptance(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """{drafter_version: (sum of committed tokens, drafted target forwards)} from the engine's /metrics."""
+    sums, counts = _by_version(metrics_text, "tide_engine_accept_length_tokens_sum",
+                               "tide_engine_accept_length_tokens_count")
     return {v: (sums.get(v, 0.0), counts.get(v, 0.0)) for v in set(sums) | set(counts)}
+
+
+def parse_served_forwards(metrics_text: str) -> dict[str, float]:
+    """{drafter_version: target forwards of every row served under it}: drafted rows and the rows
+    the scheduler or the workload gate ran target-only alike."""
+    return _by_version(metrics_text, "tide_engine_target_forwards_total")[0]
 
 
 @dataclass
@@ -106,7 +117,8 @@ class AcceptancePoint:
 
 
 class AcceptanceSampler:
-    """Background scraper: one point per interval per version that ran target forwards in it."""
+    """Background scraper: one point per interval per version whose drafted rows ran target
+    forwards in it, and the running count of all target forwards served under each version."""
 
     def __init__(self, metrics_url: str, interval_s: float = 5.0):
         self.metrics_url = metrics_url
@@ -115,6 +127,7 @@ class AcceptanceSampler:
         self.marks: list[tuple[float, str]] = []  # (t_s, label): shift, swaps
         self.t0 = time.monotonic()
         self._last: dict[str, tuple[float, float]] = {}
+        self._served: list[tuple[float, dict[str, float]]] = []  # (t_s, counters) per scrape
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -127,10 +140,12 @@ class AcceptanceSampler:
 
     def sample(self) -> None:
         try:
-            now = parse_acceptance(httpx.get(self.metrics_url, timeout=5).text)
+            text = httpx.get(self.metrics_url, timeout=5).text
         except httpx.HTTPError:
             return
+        now = parse_acceptance(text)
         t = time.monotonic() - self.t0
+        self._served.append((t, parse_served_forwards(text)))
         for version, (s, c) in now.items():
             ls, lc = self._last.get(version, (0.0, 0.0))
             if c > lc:
@@ -147,8 +162,15 @@ class AcceptanceSampler:
         self.sample()
 
     def forwards_since(self, start_s: float, version: str) -> float:
-        """Target forwards ``version`` ran since ``start_s`` (as sampled so far)."""
+        """Target forwards of rows ``version`` drafted since ``start_s`` (as sampled so far)."""
         return sum(p.forwards for p in self.points if p.t_s >= start_s and p.version == version)
+
+    def served_forwards_since(self, start_s: float, version: str) -> float:
+        """Target forwards of all rows served under ``version`` since ``start_s``: a workload the
+        cost gate runs target-only adds here, not to ``forwards_since``."""
+        before = [c.get(version, 0.0) for t, c in self._served if t < start_s]
+        last = self._served[-1][1].get(version, 0.0) if self._served else 0.0
+        return last - (before[-1] if before else 0.0)
 
     def recent(self, version: str, window_s: float = 30.0) -> float | None:
         """Tokens per target forward of ``version`` over the last ``window_s`` of samples."""

@@ -1,6 +1,7 @@
 """The demo's live line reads ingest and scheduler state from their real /metrics pages (served
 over HTTP here by prometheus_client from the same metric objects the services update)."""
 import socket
+import time
 
 import pytest
 from prometheus_client import REGISTRY, start_http_server
@@ -123,3 +124,33 @@ def test_replay_passes_a_callback_error_to_the_caller(chat_url):
     with pytest.raises(RuntimeError, match="watcher failed"):
         replay(chat_url, _prompts(), concurrency=2, max_tokens=3, on_done=boom)
 
+
+
+def _rows(n: int, committed: int):
+    import torch
+
+    from tide.spec.decode import RowResult
+    empty = torch.zeros(0)
+    return [RowResult(committed=[1] * committed, n_accepted=committed - 1, fed_tokens=empty,
+                      aux_hidden=empty, final_hidden=empty) for _ in range(n)]
+
+
+def test_sampler_counts_gated_rows_as_served_not_as_drafted(metrics_url):
+    """The demo's post-swap evidence: rows the cost gate ran target-only are forwards the drafter's
+    engine served, but they say nothing of its acceptance (the engine's own accounting, scraped
+    from a real /metrics page)."""
+    from tide.engine.accounting import EngineAccounting
+    from tide.traffic import AcceptanceSampler
+
+    accounting, version = EngineAccounting(), "sampler-test-v7"
+    sampler = AcceptanceSampler(metrics_url)
+    accounting.step(version, _rows(3, 2), None, judged=True)  # before the window: not counted
+    sampler.sample()
+    start_s = time.monotonic() - sampler.t0
+    accounting.step(version, _rows(4, 3), None, judged=True)
+    accounting.step(version, _rows(5, 1), None, judged=False)  # the gate ran these target-only
+    sampler.sample()
+    assert sampler.served_forwards_since(start_s, version) == 9
+    assert sampler.forwards_since(start_s, version) == 4
+    assert sampler.points[-1].tokens_per_forward == 3.0  # the drafted rows only
+    assert sampler.served_forwards_since(start_s, "no-such-version") == 0
