@@ -1,14 +1,15 @@
 """Target-only vs speculative decoding, side by side in one run, on held-out prompts.
 
-For each held-out prompt (never trained on), every mode (target-only, then one per ``--drafter``)
-decodes the same number of tokens, the order of modes rotating per prompt so drift in machine load
+For each held-out prompt (never trained on), every mode (target-only, then one per ``--drafter``
+and ``--siblings`` value) decodes the same number of tokens, the order of modes rotating per prompt so drift in machine load
 hits all alike. Reports per drafter: tokens committed per target forward, per-position acceptance,
 decode tokens/s and the ratio to target-only (prefill excluded), each with a 90% paired-bootstrap
-interval over prompts; with two or more drafters, each one's ratios to the first. ``--batch B``
+interval over prompts; with two or more drafter modes, each one's ratios to the first. ``--batch B``
 repeats the comparison through the batched reference engine with B concurrent requests (first
 drafter).
 
-    python -m bench.spec_decode [--prompts 16] [--max-new-tokens 64] [--drafter DIR ...] [--json out.json]
+    python -m bench.spec_decode [--prompts 16] [--max-new-tokens 64] [--drafter DIR ...] [--siblings 0 1 2]
+                                [--json out.json]
 """
 from __future__ import annotations
 
@@ -33,24 +34,24 @@ from tide.train.offline import render_prompt
 TARGET = "target-only"
 
 
-def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0):
+def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0, siblings=0):
     t0 = time.perf_counter()
-    out, stats = generate(target, drafter, ids, n, gamma=gamma, stop_prob=stop_prob)
+    out, stats = generate(target, drafter, ids, n, gamma=gamma, stop_prob=stop_prob, siblings=siblings)
     return out, stats, time.perf_counter() - t0
 
 
 def single_stream(target, drafters: dict, prompts, n, gamma, stop_prob=0.0):
-    """Per prompt, target-only and each drafter (order rotated); prefill time is measured
-    separately (a 1-token run) and subtracted. Returns per mode: its ``ModeResult``, and per
-    drafter the acceptance rate by draft position."""
-    modes = [(TARGET, None), *drafters.items()]
+    """Per prompt, target-only and each drafter mode ({name: (drafter, siblings)}; order rotated);
+    prefill time is measured separately (a 1-token run) and subtracted. Returns per mode: its
+    ``ModeResult``, and per drafter mode the acceptance rate by draft position."""
+    modes = [(TARGET, (None, 0)), *drafters.items()]
     res = {name: ModeResult() for name, _ in modes}
     pos_accepts = {name: [0] * gamma for name in drafters}
     for i, ids in enumerate(prompts):
         _, _, prefill_s = timed_generate(target, None, ids, 1, gamma)
         outs = {}
-        for name, d in modes[i % len(modes):] + modes[:i % len(modes)]:
-            out, stats, s = timed_generate(target, d, ids, n, gamma, stop_prob)
+        for name, (d, siblings) in modes[i % len(modes):] + modes[:i % len(modes)]:
+            out, stats, s = timed_generate(target, d, ids, n, gamma, stop_prob, siblings)
             outs[name] = out
             res[name].add(tokens=len(out) - 1, decode_s=max(1e-6, s - prefill_s), forwards=stats.target_forwards,
                           committed=len(out) - 1 if d is None else sum(stats.accept_lengths))
@@ -111,6 +112,9 @@ def main() -> int:
                     help="stop drafting below this draft probability (default: config spec.draft_stop_prob)")
     ap.add_argument("--drafter", action="append", default=None,
                     help="drafter folder; repeat to compare several in one run (default: the static drafter)")
+    ap.add_argument("--siblings", type=int, nargs="+", default=None,
+                    help="depth-1 siblings per step (tide/spec/tree.py); several values: a mode per drafter "
+                         "and value (default: config spec.draft_siblings)")
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--batch", type=int, default=0, help="also compare through the engine at this batch size")
     ap.add_argument("--threads", type=int, default=1)
@@ -123,12 +127,16 @@ def main() -> int:
     paths = [Path(p) for p in args.drafter] if args.drafter else [static_drafter_path(cfg)]
     spec_of_target = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
     # as the engine serves them: linears on the row kernel over bf16 weights (where it runs)
-    names = [f"{i + 1}:{p.name}" for i, p in enumerate(paths)]
-    drafters = {name: for_serving(load_drafter(p, spec_of_target)) for name, p in zip(names, paths)}
+    siblings = args.siblings if args.siblings is not None else [cfg.spec.draft_siblings]
+    served = [for_serving(load_drafter(p, spec_of_target)) for p in paths]
+    modes = [(f"{i + 1}:{p.name}" + (f"+{k}sib" if k else ""), p, d, k)
+             for i, (p, d) in enumerate(zip(paths, served)) for k in siblings]
+    names = [name for name, *_ in modes]
+    drafters = {name: (d, k) for name, _, d, k in modes}
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
     res, rates = single_stream(target, drafters, prompts, args.max_new_tokens, gamma, stop_prob)
-    per = {name: drafter_summary(name, p, res, rates[name]) for name, p in zip(names, paths)}
+    per = {name: drafter_summary(name, p, res, rates[name]) | {"siblings": k} for name, p, _, k in modes}
     first = per[names[0]]
     summary = {"workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob,
                "target_tok_s": res[TARGET].tokens_per_s, **first, "drafters": per}
@@ -143,7 +151,7 @@ def main() -> int:
         rows += [(f"[{name} / {names[0]}] {m.replace('_', ' ')}", f"{v:.3f}x (90% {lo:.3f}-{hi:.3f})")
                  for m, (v, lo, hi) in comp.items()]
     if args.batch:
-        drafter = drafters[names[0]]
+        drafter = drafters[names[0]][0]
         common = dict(target_model_id=cfg.model.model_id, draft_len=gamma, draft_stop_prob=stop_prob, max_seq_len=cfg.model.max_seq_len, eos_ids=())
         plain = batched(((target, tok, None, "none"), common), prompts, args.max_new_tokens, args.batch)
         spec = batched(((target, tok, drafter, "static"), common), prompts, args.max_new_tokens, args.batch)

@@ -58,9 +58,9 @@ def comparison(home: Path, adapted_folder: Path | None, before: str, after: str,
         before: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(before, "heldout", s.compare_prompts, 11)],
         after: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(after, "heldout", s.compare_prompts, 13)],
     }
-    # the engine's own decoding settings (draft length, early stop), as served
+    # the engine's own decoding settings (draft length, early stop, siblings), as served
     res = compare(target, drafters, prompts, s.compare_max_tokens, cfg.spec.draft_len, progress=say,
-                  stop_prob=cfg.spec.draft_stop_prob)
+                  stop_prob=cfg.spec.draft_stop_prob, siblings=cfg.spec.draft_siblings)
     out = {w: {m: r.as_dict() for m, r in modes.items()} for w, modes in res.items()}
     out["served"] = served(target, tok, drafters, prompts, s, cfg)
     if "adapted" in drafters:
@@ -89,7 +89,8 @@ def served(target, tok, drafters: dict, prompts: dict, s, cfg) -> dict:
     from tide.engine.reference import ReferenceEngine
 
     common = dict(target_model_id=cfg.model.model_id, draft_len=cfg.spec.draft_len, max_batch_size=1,
-                  max_seq_len=cfg.model.max_seq_len, draft_stop_prob=cfg.spec.draft_stop_prob)
+                  max_seq_len=cfg.model.max_seq_len, draft_stop_prob=cfg.spec.draft_stop_prob,
+                  draft_siblings=cfg.spec.draft_siblings)
     engines = {"target": ReferenceEngine(target, tok, None, "none", **common)}
     try:
         for name, d in drafters.items():

@@ -58,6 +58,10 @@ class SpecConfig:
     # concurrency goes target-only), and switches speculation off per workload where the drafter's
     # live acceptance does not pay. draft_len stays the most it drafts. Lossless in every mode.
     scheduler: str = "stop_rule"
+    # the drafter's next-best first tokens verified beside its chain (a depth-1 draft tree,
+    # tide/spec/tree.py): no extra drafter step, ``draft_siblings`` more verify rows; fixed and
+    # stop_rule schedulers only (the cost scheduler prices the chain alone). 0 = the chain only
+    draft_siblings: int = 0
     # cost scheduler only: while a workload's speculation is off, every this-many steps of it draft
     # anyway so its acceptance stays measured (>= 1)
     gate_probe_steps: int = 64
@@ -67,6 +71,8 @@ class SpecConfig:
             raise ConfigError(f"spec.draft_len must be >= 1, got {self.draft_len}")
         if not 0.0 <= self.draft_stop_prob <= 1.0:
             raise ConfigError(f"spec.draft_stop_prob must be in [0, 1], got {self.draft_stop_prob}")
+        if self.draft_siblings < 0:
+            raise ConfigError(f"spec.draft_siblings must be >= 0, got {self.draft_siblings}")
         if self.gate_probe_steps < 1:
             raise ConfigError(f"spec.gate_probe_steps must be >= 1, got {self.gate_probe_steps}")
 
@@ -211,7 +217,11 @@ class TrainConfig:
     # while keeping the old; higher rates forgot the old workload for no gain on the new one
     # (docs/benchmarks.md, "Findings")
     lr: float = 1e-3
-    epochs: int = 8  # passes over the window; a max_train_s cap shrinks the schedule to fit
+    # passes over the window; a max_train_s cap shrinks the schedule to fit. A stronger parent
+    # needs more of them, not a higher rate: on one demo window 16 passes gained more on the new
+    # workload and kept more of the old than 8, where a lower rate or averaging with the parent
+    # kept the old only by giving up the new (docs/benchmarks.md, Session 18)
+    epochs: int = 16
     batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory
     max_seq_len: int = 512
     draft_vocab_size: int = 8192

@@ -19,6 +19,9 @@ ENGINE_DRAFT_TOKENS = Counter(
 ENGINE_ACCEPTED_TOKENS = Counter(
     "tide_engine_accepted_draft_tokens_total", "Draft tokens accepted by verification",
     ["drafter_version"])
+ENGINE_SIBLING_ACCEPTS = Counter(
+    "tide_engine_sibling_accepts_total", "Drafted rows whose first accepted token was a depth-1 sibling "
+    "(spec.draft_siblings), not the chain's first draft", ["drafter_version"])
 ENGINE_ACCEPT_LENGTH = Histogram(
     "tide_engine_accept_length_tokens", "Tokens committed per target forward (accepted + bonus) of drafted rows "
     "(all rows when no drafter serves)",

@@ -58,7 +58,7 @@ class ModeResult:
 
 def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, list[list[int]]],
             max_new_tokens: int, gamma: int, progress=print,
-            stop_prob: float = 0.0) -> dict[str, dict[str, ModeResult]]:
+            stop_prob: float = 0.0, siblings: int = 0) -> dict[str, dict[str, ModeResult]]:
     """{workload: {mode: ModeResult}}; mode "target" is target-only decoding. Drafters run as the
     engine serves them (``for_serving``)."""
     modes = [("target", None), *((name, for_serving(d)) for name, d in drafters.items())]
@@ -73,7 +73,8 @@ def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, 
             outputs = {}
             for name, drafter in rotated:
                 t0 = time.perf_counter()
-                tokens, stats = generate(target, drafter, ids, max_new_tokens, gamma=gamma, stop_prob=stop_prob)
+                tokens, stats = generate(target, drafter, ids, max_new_tokens, gamma=gamma, stop_prob=stop_prob,
+                                         siblings=siblings)
                 elapsed = time.perf_counter() - t0
                 res[name].add(tokens=len(tokens) - 1, decode_s=max(1e-6, elapsed - prefill_s),
                               forwards=stats.target_forwards,

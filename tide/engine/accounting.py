@@ -38,8 +38,9 @@ class EngineAccounting:
         for res in results if judged else ():
             metrics.ENGINE_ACCEPT_LENGTH.labels(version).observe(len(res.committed))
         if stats is not None:
-            metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(sum(stats.drafted))
+            metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(sum(stats.drafted) + stats.siblings * len(stats.drafted))
             metrics.ENGINE_ACCEPTED_TOKENS.labels(version).inc(sum(stats.accepted))
+            metrics.ENGINE_SIBLING_ACCEPTS.labels(version).inc(stats.sibling_accepts)
 
     def tokens(self, version: str, n: int) -> None:
         with self._lock:

@@ -55,7 +55,7 @@ class ReferenceEngine(Engine):
                  *, target_model_id: str, draft_len: int = 4, draft_stop_prob: float = 0.0,
                  max_batch_size: int = 8, max_seq_len: int = 1024, eos_ids: tuple[int, ...] = (),
                  refeed_positions: int = 32, scheduler: str = "stop_rule", cost_model: StepCostModel | None = None,
-                 gate_probe_steps: int = 64, profile_context: int = 128):
+                 gate_probe_steps: int = 64, profile_context: int = 128, draft_siblings: int = 0):
         self.target = target
         self.tokenizer = tokenizer
         self.target_model_id = target_model_id
@@ -64,6 +64,9 @@ class ReferenceEngine(Engine):
         if not 0.0 <= draft_stop_prob <= 1.0:
             raise ValueError(f"spec.draft_stop_prob must be in [0, 1], got {draft_stop_prob}")
         self.draft_stop_prob = draft_stop_prob
+        if draft_siblings < 0:
+            raise ValueError(f"spec.draft_siblings must be >= 0, got {draft_siblings}")
+        self.draft_siblings = draft_siblings
         self.max_batch_size = max_batch_size
         self.eos_ids = tuple(eos_ids)
         # every swapped-in drafter must keep the mapping the engine started with (t2d/d2t fixed)
@@ -72,7 +75,7 @@ class ReferenceEngine(Engine):
         self._drafter = drafter
         self._version = drafter_version if drafter is not None else "none"
         self._pending_swap: tuple[Eagle3Drafter | None, str] | None = None
-        self._cache_len = max_seq_len + draft_len + 2
+        self._cache_len = max_seq_len + draft_len + draft_siblings + 2
         self._tcache = target.new_cache(max_batch_size, self._cache_len)
         self._dcache = drafter.new_cache(max_batch_size, self._cache_len) if drafter is not None else None
         self._inbox: "queue.Queue[Running]" = queue.Queue()
@@ -271,7 +274,7 @@ class ReferenceEngine(Engine):
             return
         rows = [self._running[s].row for s in slots]
         # don't draft past the context limit
-        gamma = min(self.draft_len, min(self._cache_len - 2 - r.t_len for r in rows))
+        gamma = min(self.draft_len, min(self._cache_len - 2 - self.draft_siblings - r.t_len for r in rows))
         version = self._version
         workloads = [self._running[s].req.workload for s in slots]
         results, stats = self._speculate(slots, rows, workloads, gamma)
@@ -305,7 +308,7 @@ class ReferenceEngine(Engine):
             build_feed(self._running[s])
         try:
             results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
-                                              rows, gamma, self._policy.stop_prob, plan)
+                                              rows, gamma, self._policy.stop_prob, plan, self.draft_siblings)
             self._policy.observe_spec_step(workloads, stats, plan)
         except Exception:
             log.exception("drafter step failed; this step runs target-only")
@@ -397,4 +400,4 @@ def build_engine(cfg) -> ReferenceEngine:
                            max_batch_size=cfg.engine.max_batch_size,
                            max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder),
                            refeed_positions=cfg.ops.refeed_positions, scheduler=cfg.spec.scheduler,
-                           gate_probe_steps=cfg.spec.gate_probe_steps)
+                           gate_probe_steps=cfg.spec.gate_probe_steps, draft_siblings=cfg.spec.draft_siblings)

@@ -101,14 +101,22 @@ class KVCache:
         self.max_len = max_len
         self.num_slots = num_slots
 
+    def move(self, slot: int, src: int, dst: int) -> None:
+        """Copy position ``src``'s keys/values to ``dst`` in every layer (an accepted tree branch
+        moves to where the sequence continues)."""
+        self.k[:, slot, dst] = self.k[:, slot, src]
+        self.v[:, slot, dst] = self.v[:, slot, src]
+
 
 def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache, layer: int,
-           slots: torch.Tensor, positions: torch.Tensor, first_key: torch.Tensor | None = None) -> torch.Tensor:
+           slots: torch.Tensor, positions: torch.Tensor, first_key: torch.Tensor | None = None,
+           new_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Write k/v at ``positions`` of ``slots`` and attend causally over each row's cache.
 
-    q: [B, q, heads, hd]; k_new/v_new: [B, q, kv_heads, hd]; positions: [B, q] absolute;
-    ``first_key`` ([B], optional): keys before it are not attended (a drafter swapped in mid-request
-    has no keys for the positions before its first feed).
+    q: [B, q, heads, hd]; k_new/v_new: [B, q, kv_heads, hd]; positions: [B, q] absolute (consecutive
+    per row); ``first_key`` ([B], optional): keys before it are not attended (a drafter swapped in
+    mid-request has no keys for the positions before its first feed); ``new_mask`` ([q, q] bool,
+    optional): which of the new tokens each new token attends to (a draft tree), instead of causal.
     """
     bsz, qlen, heads, hd = q.shape
     cache.k[layer][slots[:, None], positions] = k_new
@@ -122,7 +130,12 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVC
         keys = cache.k[layer][slots, :kv_len]
         values = cache.v[layer][slots, :kv_len]
     key_pos = torch.arange(kv_len)[None, None, :]
-    mask = key_pos <= positions[:, :, None]  # [B, q, kv_len]
+    if new_mask is None:
+        mask = key_pos <= positions[:, :, None]  # [B, q, kv_len]
+    else:  # every cached key before the row's new tokens, then the tree's own ancestors
+        rel = key_pos - positions[:, :1, None]  # [B, 1, kv_len]: key's index among the new tokens
+        block = new_mask[None].expand(bsz, qlen, qlen).gather(2, rel.clamp(0, qlen - 1).expand(bsz, qlen, kv_len))
+        mask = (rel < 0) | ((rel < qlen) & block)
     if first_key is not None:
         mask = mask & (key_pos >= first_key[:, None, None])
     out = F.scaled_dot_product_attention(
@@ -244,14 +257,20 @@ class LlamaTarget:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor, last_only: bool = False, want_aux: bool = True) -> TargetOutput:
-        """input_ids: [B, q]; start: [B] first absolute position of each row's new tokens."""
+                slots: torch.Tensor, last_only: bool = False, want_aux: bool = True,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+        """input_ids: [B, q]; start: [B] first absolute position of each row's new tokens, which
+        fill cache positions ``start..start+q-1``. ``tree`` (a draft tree, the same layout in every
+        row): (depth [q], ancestor mask [q, q] bool): token i sits at sequence position
+        ``start + depth[i]`` (its RoPE) and attends to the new tokens ``mask[i]`` marks."""
         s, w = self.shape, self.w
         bsz, qlen = input_ids.shape
         positions = start[:, None] + torch.arange(qlen)[None, :]
         if int(positions.max()) >= cache.max_len:
             raise ValueError(f"sequence position {int(positions.max())} exceeds cache length {cache.max_len}")
-        cos, sin = self.cos[positions], self.sin[positions]
+        seq_pos = positions if tree is None else start[:, None] + tree[0][None, :]
+        new_mask = None if tree is None else tree[1]
+        cos, sin = self.cos[seq_pos], self.sin[seq_pos]
         kv_dim = s.num_kv_heads * s.head_dim
         lin = self.linear
         h = F.embedding(input_ids, w["embed_tokens.weight"])
@@ -266,7 +285,7 @@ class LlamaTarget:
             k = k.view(bsz, qlen, s.num_kv_heads, s.head_dim)
             v = v.reshape(bsz, qlen, s.num_kv_heads, s.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = attend(q, k, v, cache, i, slots, positions)
+            attn = attend(q, k, v, cache, i, slots, positions, new_mask=new_mask)
             h = h + lin(attn, p + "self_attn.o_proj.weight")
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
             gate, up = lin(x, p + "gate_up").chunk(2, dim=-1)

@@ -111,6 +111,11 @@ def build(out_dir: Path | None = None) -> Path:
     return target
 
 
+# query rows one pass over the weights serves (MAX_BLOCK_ROWS in csrc/linear_rows.c): a verify of
+# up to this many tokens streams the weights once
+PASS_ROWS = 6
+
+
 def load() -> RowKernel | None:
     """The process's kernel, or None where it cannot run here (reason logged once)."""
     with _lock:

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 
 from tide.drafter.model import Eagle3Drafter
 from tide.models.llama import KVCache, LlamaTarget
+from tide.models.rowkernel import PASS_ROWS
+from tide.spec import tree
 
 
 @dataclass
@@ -71,6 +73,8 @@ class StepStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     feed_positions: int = 0  # the longest drafter feed of the step (long after prefill or target-only steps)
+    siblings: int = 0  # depth-1 alternatives verified per row (tide/spec/tree.py)
+    sibling_accepts: int = 0  # rows whose first accepted token was a sibling
 
     @property
     def tokens_per_forward(self) -> float:
@@ -106,14 +110,16 @@ class Planner(Protocol):
 
 
 def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: list[RowInput],
-          gamma: int, stop_prob: float = 0.0,
-          planner: Planner | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
+          gamma: int, stop_prob: float = 0.0, planner: Planner | None = None,
+          siblings: list[list[int]] | None = None,
+          n_siblings: int = 0) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
     """Propose up to ``gamma`` target-vocab tokens per row.
 
     Returns ([B, k] ids, per-row q probs [k, V] or None, per-row draft lengths); k <= γ is the
     longest row's length. A row stops after a draft whose probability is below ``stop_prob``
     (at the row's temperature, 1 for greedy rows); every row drafts at least one token, unless a
-    ``planner`` truncates the drafts (to zero, possibly).
+    ``planner`` truncates the drafts (to zero, possibly). With ``n_siblings`` > 0, ``siblings``
+    (a list) receives each row's ``n_siblings`` next-best depth-1 tokens (target ids).
     """
     bsz = len(rows)
     m = max(r.feed_tokens.numel() for r in rows)
@@ -162,6 +168,8 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
                 else:
                     d = int(logits[b].argmax())
                     confidence = top_prob[b] if top_prob is not None else 1.0
+                if i == 0 and n_siblings > 0 and siblings is not None:
+                    siblings.append(d2t_ids[tree.alternatives(logits[b], d, n_siblings)].tolist())
                 out_tokens[b, i] = d2t_ids[d]
                 lengths[b] = i + 1
                 active[b] = confidence >= stop_prob
@@ -208,11 +216,11 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return n, int(target[n])
 
 
-def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, target_logits: torch.Tensor,
-                    temperature: float, top_p: float, generator: torch.Generator | None,
-                    top_k: int = 0) -> tuple[int, int]:
-    """One row, rejection sampling (Leviathan et al. / Chen et al.): output ~ target distribution."""
-    p = filtered_probs(target_logits, temperature, top_p, top_k)  # [γ+1, V]
+def first_rejection(draft_tokens: torch.Tensor, q_probs: torch.Tensor, p: torch.Tensor,
+                    generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """Rejection sampling's walk (Leviathan et al. / Chen et al.) over one row's drafts with target
+    probabilities ``p`` [γ+1, V]: (accepted count, the distribution the next token comes from: the
+    residual norm(max(p - q, 0)) after a rejection, the bonus position's p when all pass)."""
     gamma = draft_tokens.numel()
     for i in range(gamma):
         d = int(draft_tokens[i])
@@ -221,45 +229,91 @@ def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, target_lo
             continue
         residual = torch.clamp(p[i] - q_probs[i], min=0)
         total = residual.sum()
-        dist = residual / total if total > 0 else p[i]
-        return i, int(torch.multinomial(dist, 1, generator=generator))
-    return gamma, int(torch.multinomial(p[gamma], 1, generator=generator))
+        return i, (residual / total if total > 0 else p[i])
+    return gamma, p[gamma]
 
 
-def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_tokens: torch.Tensor):
-    """One target forward over [pending, d1..dγ] for every row."""
-    fed = torch.cat([torch.tensor([[r.pending] for r in rows]), draft_tokens], dim=1)
+def accept_sampling(draft_tokens: torch.Tensor, q_probs: torch.Tensor, target_logits: torch.Tensor,
+                    temperature: float, top_p: float, generator: torch.Generator | None,
+                    top_k: int = 0) -> tuple[int, int]:
+    """One row, rejection sampling: output ~ target distribution."""
+    p = filtered_probs(target_logits, temperature, top_p, top_k)  # [γ+1, V]
+    n, dist = first_rejection(draft_tokens, q_probs, p, generator)
+    return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+def accept_row(r: RowInput, draft_tokens: torch.Tensor, q_probs: torch.Tensor | None, logits: torch.Tensor,
+               siblings: list[int]) -> tuple[int, int, int | None]:
+    """One row of a verify laid out as ``[pending, d1..dk, padding.., s1..sm]`` (logits [1+K+m, V],
+    tide/spec/tree.py): (accepted count, next token, the accepted sibling's index or None)."""
+    k, first_sibling = draft_tokens.numel(), logits.shape[0] - len(siblings)
+    if r.temperature > 0:
+        p = filtered_probs(logits[:k + 1], r.temperature, r.top_p, r.top_k)
+        n, dist = first_rejection(draft_tokens, q_probs, p, r.generator)
+        j = None
+        if n == 0 and siblings:
+            j, dist = tree.offer(dist, siblings, r.generator)
+            if j is not None:  # the next token follows the sibling: the target's own distribution there
+                dist = filtered_probs(logits[first_sibling + j], r.temperature, r.top_p, r.top_k)
+        return (n if j is None else 1), int(torch.multinomial(dist, 1, generator=r.generator)), j
+    n, nxt = accept_greedy(draft_tokens, logits[:k + 1])
+    if n == 0 and nxt in siblings:
+        j = siblings.index(nxt)
+        return 1, int(logits[first_sibling + j].argmax()), j
+    return n, nxt, None
+
+
+def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_tokens: torch.Tensor,
+           siblings: list[list[int]] | None = None):
+    """One target forward over [pending, d1..dγ] (then each row's depth-1 siblings) for every row."""
+    parts = [torch.tensor([[r.pending] for r in rows]), draft_tokens]
+    layout = None
+    if siblings:
+        parts.append(torch.tensor(siblings))
+        layout = tree.layout(draft_tokens.shape[1], len(siblings[0]))
+    fed = torch.cat(parts, dim=1)
     start = torch.tensor([r.t_len for r in rows])
     slots = torch.tensor([r.slot for r in rows])
-    return fed, target.forward(fed, start, cache, slots)
+    return fed, target.forward(fed, start, cache, slots, tree=layout)
 
 
 def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: KVCache,
                      drafter_cache: KVCache, rows: list[RowInput], gamma: int,
-                     stop_prob: float = 0.0, planner: Planner | None = None) -> tuple[list[RowResult], StepStats]:
+                     stop_prob: float = 0.0, planner: Planner | None = None,
+                     siblings: int = 0) -> tuple[list[RowResult], StepStats]:
+    """One draft-verify-accept step. ``siblings``: the most depth-1 alternatives verified beside
+    each row's chain (tide/spec/tree.py), as many as fit the weight passes the chain's verify makes
+    anyway; none with a ``planner``, whose step costs price the chain alone."""
+    n_sib = siblings if planner is None else 0
     t0 = time.perf_counter()
+    sibs: list[list[int]] = []
     draft_tokens, q_probs, lengths = draft(drafter, target.embed_weight, drafter_cache, rows, gamma, stop_prob,
-                                           planner)
+                                           planner, sibs, n_sib)
     t1 = time.perf_counter()
-    fed, out = verify(target, target_cache, rows, draft_tokens)
+    m = tree.budget(n_sib, len(rows), draft_tokens.shape[1], PASS_ROWS) if min(lengths) > 0 else 0
+    sibs = [s[:m] for s in sibs]
+    fed, out = verify(target, target_cache, rows, draft_tokens, sibs if m else None)
     stats = StepStats(gamma=gamma, position_accepts=[0] * gamma, drafted=lengths,
                       draft_depth=planner.drafted if planner is not None else max(lengths),
                       draft_s=t1 - t0, verify_s=time.perf_counter() - t1,
-                      feed_positions=max(len(r.feed_tokens) for r in rows))
+                      feed_positions=max(len(r.feed_tokens) for r in rows),
+                      siblings=fed.shape[1] - 1 - draft_tokens.shape[1])
     results = []
     for b, r in enumerate(rows):
-        k = lengths[b]
-        if r.temperature > 0:
-            n, nxt = accept_sampling(draft_tokens[b, :k], q_probs[b], out.logits[b, :k + 1], r.temperature,
-                                     r.top_p, r.generator, r.top_k)
-        else:
-            n, nxt = accept_greedy(draft_tokens[b, :k], out.logits[b, :k + 1])
+        k, row_sibs = lengths[b], (sibs[b] if stats.siblings else [])
+        n, nxt, j = accept_row(r, draft_tokens[b, :k], q_probs[b], out.logits[b], row_sibs)
         stats.accepted.append(n)
         for i in range(n):
             stats.position_accepts[i] += 1
-        results.append(RowResult(
-            committed=draft_tokens[b, :n].tolist() + [nxt], n_accepted=n, fed_tokens=fed[b, :n + 1],
-            aux_hidden=out.aux_hidden[b, :n + 1], final_hidden=out.final_hidden[b, :n + 1]))
+        if j is None:
+            idx, committed = torch.arange(n + 1), draft_tokens[b, :n].tolist() + [nxt]
+        else:  # the sibling's keys move to where the sequence goes on (its row sits past the chain)
+            at = fed.shape[1] - len(row_sibs) + j
+            target_cache.move(r.slot, r.t_len + at, r.t_len + 1)
+            idx, committed = torch.tensor([0, at]), [row_sibs[j], nxt]
+            stats.sibling_accepts += 1
+        results.append(RowResult(committed=committed, n_accepted=n, fed_tokens=fed[b, idx],
+                                 aux_hidden=out.aux_hidden[b, idx], final_hidden=out.final_hidden[b, idx]))
     return results, stats
 
 

@@ -22,6 +22,7 @@ class GenerationStats:
     tokens: int = 0
     position_accepts: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)  # committed tokens per forward
+    sibling_accepts: int = 0  # forwards whose first accepted token was a depth-1 sibling
 
     @property
     def tokens_per_forward(self) -> float:
@@ -31,9 +32,9 @@ class GenerationStats:
 def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: list[int],
              max_new_tokens: int, gamma: int = 4, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, stop_ids: tuple[int, ...] = (),
-             stop_prob: float = 0.0) -> tuple[list[int], GenerationStats]:
+             stop_prob: float = 0.0, siblings: int = 0) -> tuple[list[int], GenerationStats]:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    max_len = len(prompt_ids) + max_new_tokens + gamma + 2
+    max_len = len(prompt_ids) + max_new_tokens + gamma + siblings + 2
     tcache = target.new_cache(1, max_len)
     dcache = drafter.new_cache(1, max_len) if drafter is not None else None
     out = prefill(target, tcache, 0, prompt_ids)
@@ -50,9 +51,10 @@ def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: lis
         if drafter is None:
             (res,) = target_step(target, tcache, [row])
         else:
-            (res,), st = speculative_step(target, drafter, tcache, dcache, [row], gamma, stop_prob)
+            (res,), st = speculative_step(target, drafter, tcache, dcache, [row], gamma, stop_prob, siblings=siblings)
             for i, c in enumerate(st.position_accepts):
                 stats.position_accepts[i] += c
+            stats.sibling_accepts += st.sibling_accepts
         stats.target_forwards += 1
         stats.accept_lengths.append(len(res.committed))
         tokens.extend(res.committed)
