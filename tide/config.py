@@ -217,11 +217,7 @@ class TrainConfig:
     # while keeping the old; higher rates forgot the old workload for no gain on the new one
     # (docs/benchmarks.md, "Findings")
     lr: float = 1e-3
-    # passes over the window; a max_train_s cap shrinks the schedule to fit. A stronger parent
-    # needs more of them, not a higher rate: on one demo window 16 passes gained more on the new
-    # workload and kept more of the old than 8, where a lower rate or averaging with the parent
-    # kept the old only by giving up the new (docs/benchmarks.md, Session 18)
-    epochs: int = 16
+    epochs: int = 8  # passes over the window; a max_train_s cap shrinks the schedule to fit
     batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory
     max_seq_len: int = 512
     draft_vocab_size: int = 8192
