@@ -43,6 +43,11 @@ class ModelConfig:
     torch_threads: int = 1
 
 
+# siblings ride in the room a chain's verify leaves in its passes over the weights (tide/spec/tree.py),
+# and a pass holds 6 query rows (tide/models/rowkernel.py PASS_ROWS): more than 5 never fit
+MAX_DRAFT_SIBLINGS = 5
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding."""
@@ -71,8 +76,8 @@ class SpecConfig:
             raise ConfigError(f"spec.draft_len must be >= 1, got {self.draft_len}")
         if not 0.0 <= self.draft_stop_prob <= 1.0:
             raise ConfigError(f"spec.draft_stop_prob must be in [0, 1], got {self.draft_stop_prob}")
-        if self.draft_siblings < 0:
-            raise ConfigError(f"spec.draft_siblings must be >= 0, got {self.draft_siblings}")
+        if not 0 <= self.draft_siblings <= MAX_DRAFT_SIBLINGS:
+            raise ConfigError(f"spec.draft_siblings must be in 0..{MAX_DRAFT_SIBLINGS}, got {self.draft_siblings}")
         if self.gate_probe_steps < 1:
             raise ConfigError(f"spec.gate_probe_steps must be >= 1, got {self.gate_probe_steps}")
 

@@ -156,3 +156,14 @@ def test_spec_scheduler_keys_are_validated(spec, match):
     with pytest.raises(ConfigError, match=match):
         load_config(env={}, overrides={"spec": spec})
     assert load_config(env={}, overrides={"spec": {"scheduler": "cost"}}).spec.scheduler == "cost"
+
+
+def test_draft_siblings_outside_what_a_verify_pass_holds_is_refused():
+    from tide.config import MAX_DRAFT_SIBLINGS, ConfigError, load_config
+    from tide.models.rowkernel import PASS_ROWS
+
+    assert MAX_DRAFT_SIBLINGS == PASS_ROWS - 1  # the bound is the kernel's pass width
+    assert load_config(overrides={"spec": {"draft_siblings": MAX_DRAFT_SIBLINGS}}).spec.draft_siblings == 5
+    for bad in (-1, MAX_DRAFT_SIBLINGS + 1, 10**9):
+        with pytest.raises(ConfigError, match="draft_siblings"):
+            load_config(overrides={"spec": {"draft_siblings": bad}})

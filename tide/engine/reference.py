@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from tide import metrics
+from tide.config import MAX_DRAFT_SIBLINGS
 from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter, read_metadata
 from tide.drafter.model import Eagle3Drafter, for_serving
 from tide.drafter.vocab import mapping_digest
@@ -64,8 +65,8 @@ class ReferenceEngine(Engine):
         if not 0.0 <= draft_stop_prob <= 1.0:
             raise ValueError(f"spec.draft_stop_prob must be in [0, 1], got {draft_stop_prob}")
         self.draft_stop_prob = draft_stop_prob
-        if draft_siblings < 0:
-            raise ValueError(f"spec.draft_siblings must be >= 0, got {draft_siblings}")
+        if not 0 <= draft_siblings <= MAX_DRAFT_SIBLINGS:
+            raise ValueError(f"spec.draft_siblings must be in 0..{MAX_DRAFT_SIBLINGS}, got {draft_siblings}")
         self.draft_siblings = draft_siblings
         self.max_batch_size = max_batch_size
         self.eos_ids = tuple(eos_ids)

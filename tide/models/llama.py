@@ -110,13 +110,13 @@ class KVCache:
 
 def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache, layer: int,
            slots: torch.Tensor, positions: torch.Tensor, first_key: torch.Tensor | None = None,
-           new_mask: torch.Tensor | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None) -> torch.Tensor:
     """Write k/v at ``positions`` of ``slots`` and attend causally over each row's cache.
 
     q: [B, q, heads, hd]; k_new/v_new: [B, q, kv_heads, hd]; positions: [B, q] absolute (consecutive
     per row); ``first_key`` ([B], optional): keys before it are not attended (a drafter swapped in
-    mid-request has no keys for the positions before its first feed); ``new_mask`` ([q, q] bool,
-    optional): which of the new tokens each new token attends to (a draft tree), instead of causal.
+    mid-request has no keys for the positions before its first feed); ``mask`` ([B, q, kv_len]
+    bool, optional, ``tree_mask``): which keys each query attends to, instead of causal.
     """
     bsz, qlen, heads, hd = q.shape
     cache.k[layer][slots[:, None], positions] = k_new
@@ -130,18 +130,25 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVC
         keys = cache.k[layer][slots, :kv_len]
         values = cache.v[layer][slots, :kv_len]
     key_pos = torch.arange(kv_len)[None, None, :]
-    if new_mask is None:
+    if mask is None:
         mask = key_pos <= positions[:, :, None]  # [B, q, kv_len]
-    else:  # every cached key before the row's new tokens, then the tree's own ancestors
-        rel = key_pos - positions[:, :1, None]  # [B, 1, kv_len]: key's index among the new tokens
-        block = new_mask[None].expand(bsz, qlen, qlen).gather(2, rel.clamp(0, qlen - 1).expand(bsz, qlen, kv_len))
-        mask = (rel < 0) | ((rel < qlen) & block)
     if first_key is not None:
         mask = mask & (key_pos >= first_key[:, None, None])
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=mask[:, None], enable_gqa=heads != keys.shape[2])
     return out.transpose(1, 2).reshape(bsz, qlen, heads * hd)
+
+
+def tree_mask(positions: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """[B, q, kv_len] bool for ``attend``: every cached key before a row's new tokens, then, among
+    the new tokens (at consecutive ``positions`` [B, q]), those ``ancestors`` [q, q] marks. Built
+    once per forward: every layer attends alike."""
+    bsz, qlen = positions.shape
+    key_pos = torch.arange(int(positions.max()) + 1)[None, None, :]
+    rel = key_pos - positions[:, :1, None]  # [B, 1, kv_len]: the key's index among the new tokens
+    block = ancestors[None].expand(bsz, qlen, qlen).gather(2, rel.clamp(0, qlen - 1).expand(bsz, qlen, -1))
+    return (rel < 0) | ((rel < qlen) & block)
 
 
 class Linears:
@@ -269,7 +276,7 @@ class LlamaTarget:
         if int(positions.max()) >= cache.max_len:
             raise ValueError(f"sequence position {int(positions.max())} exceeds cache length {cache.max_len}")
         seq_pos = positions if tree is None else start[:, None] + tree[0][None, :]
-        new_mask = None if tree is None else tree[1]
+        mask = None if tree is None else tree_mask(positions, tree[1])
         cos, sin = self.cos[seq_pos], self.sin[seq_pos]
         kv_dim = s.num_kv_heads * s.head_dim
         lin = self.linear
@@ -285,7 +292,7 @@ class LlamaTarget:
             k = k.view(bsz, qlen, s.num_kv_heads, s.head_dim)
             v = v.reshape(bsz, qlen, s.num_kv_heads, s.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = attend(q, k, v, cache, i, slots, positions, new_mask=new_mask)
+            attn = attend(q, k, v, cache, i, slots, positions, mask=mask)
             h = h + lin(attn, p + "self_attn.o_proj.weight")
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
             gate, up = lin(x, p + "gate_up").chunk(2, dim=-1)

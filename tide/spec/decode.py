@@ -305,8 +305,8 @@ def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: 
         stats.accepted.append(n)
         for i in range(n):
             stats.position_accepts[i] += 1
-        if j is None:
-            idx, committed = torch.arange(n + 1), draft_tokens[b, :n].tolist() + [nxt]
+        if j is None:  # a slice: views, as before siblings existed
+            idx, committed = slice(0, n + 1), draft_tokens[b, :n].tolist() + [nxt]
         else:  # the sibling's keys move to where the sequence goes on (its row sits past the chain)
             at = fed.shape[1] - len(row_sibs) + j
             target_cache.move(r.slot, r.t_len + at, r.t_len + 1)

@@ -107,7 +107,7 @@ def test_engine_batches_rows_with_siblings_and_stays_identical(tiny_target, tiny
     before = sibling_accepts()
     prompts = _prompts(tiny_target.shape.vocab_size, 8, seed=21)
     engine = ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_len=4,
-                             draft_stop_prob=0.3, max_batch_size=4, max_seq_len=200, draft_siblings=40)
+                             draft_stop_prob=0.3, max_batch_size=4, max_seq_len=200, draft_siblings=5)
     try:
         reqs = [GenerationRequest(f"t{i}", tuple(p), SamplingParams(max_new_tokens=40)) for i, p in enumerate(prompts)]
         outs = _submit_all(engine, reqs)
