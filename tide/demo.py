@@ -48,8 +48,7 @@ class DemoSettings:
     # Served forwards count every row, drafted or not: the demo's engine runs the cost scheduler,
     # which at this concurrency on a small CPU runs most steps target-only (a verify of 6 rows x
     # (1 + drafts) costs several passes over the weights), so drafted forwards, what the live
-    # acceptance reading is made of, come slowly; a reading needs about a hundred (its per-forward
-    # spread is ~0.7 tokens, so ~±0.07)
+    # acceptance reading is made of, come slowly: ask only for enough of them to read it
     after_requests: int = 32
     after_min_forwards: int = 1500
     after_min_drafted_forwards: int = 100
