@@ -25,7 +25,7 @@ def train_kwargs(tc, progress: bool = False) -> dict:
     return dict(epochs=tc.epochs, lr=tc.lr, batch_tokens=tc.batch_tokens, max_len=tc.max_seq_len,
                 ttt_length=tc.ttt_length, step_weight=tc.step_weight_decay, seed=tc.seed, progress=progress,
                 max_wall_s=tc.max_train_s, feature_weight=tc.feature_weight, ce_weight=tc.ce_weight,
-                train_head=tc.train_head, precision=tc.precision, ranks=current_ranks())
+                train_head=tc.train_head, precision=tc.precision, ranks=current_ranks(), anchor=tc.anchor)
 
 
 def start(cfg):

@@ -109,7 +109,8 @@ def run_config(tc, layout: Layout, target_path: Path) -> dict:
 
     TIDE batches by padded tokens, SpecForge by sequences: batch_tokens // max_seq_len sequences
     of at most max_seq_len tokens. SpecForge weights its TTT steps itself (0.8 ** step), so
-    ``train.step_weight_decay`` and the loss-weight keys of TIDE's trainer do not apply here.
+    ``train.step_weight_decay``, the loss-weight keys and ``train.anchor`` of TIDE's trainer do not
+    apply here.
     """
     return {
         "model": {

@@ -137,9 +137,10 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
           seed: int = 0, progress: bool = True, max_wall_s: float | None = None,
           on_step: Callable[[int, float], None] | None = None, feature_weight: float = 0.0,
           ce_weight: float = 1.0, train_head: bool = True, device: torch.device | None = None,
-          precision: str = "fp32", ranks: Ranks = Ranks(), accumulate: int = 1) -> TrainResult:
+          precision: str = "fp32", ranks: Ranks = Ranks(), accumulate: int = 1, anchor: float = 0.0) -> TrainResult:
     """Train ``drafter`` in place on ``device`` (default CPU; left on the CPU afterwards). Each
-    step takes ``accumulate`` batches per rank (``tide/train/distributed.py``)."""
+    step takes ``accumulate`` batches per rank (``tide/train/distributed.py``). ``anchor`` > 0 pulls
+    the weights back toward where they started after every step (``_pull_toward``)."""
     device = device or torch.device("cpu")
     seed_all(seed)
     drafter.lm_head.weight.requires_grad_(train_head)
@@ -151,6 +152,7 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     horizon = [planned]  # steps the schedule spans (shrunk by a time cap)
     warmup = max(1, horizon[0] // 20)
     params = [p for p in drafter.parameters() if p.requires_grad]
+    start_weights = [p.detach().clone() for p in params] if anchor > 0 else []
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / horizon[0])))))
@@ -180,6 +182,7 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
                     acc0 += accs[0]
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
+                _pull_toward(params, start_weights, opt.param_groups[0]["lr"] * anchor)
                 sched.step()
                 loss_value, tokens, acc0 = reduce_step(ranks, device, loss_sum / len(group), tokens, acc0 / len(group))
                 result.steps += 1
@@ -205,6 +208,15 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
         drafter.to("cpu")
         result.wall_s = time.monotonic() - start
     return result
+
+
+@torch.no_grad()
+def _pull_toward(params: list[torch.Tensor], start: list[torch.Tensor], rate: float) -> None:
+    """θ ← θ − rate·(θ − θ₀): AdamW's decoupled weight decay, aimed at the warm start instead of
+    zero (L2-SP). A retrain on a small window otherwise drifts wherever the window pulls and
+    forgets traffic the window holds little of; rate follows the LR schedule."""
+    for p, p0 in zip(params, start):
+        p.sub_(p - p0, alpha=rate)
 
 
 class _Loss(torch.nn.Module):

@@ -90,3 +90,21 @@ def test_wall_time_cap_is_re_estimated_once_steps_settle(tiny_target, tiny_draft
                    max_wall_s=60)
     assert 100 * len(trainer_mod.make_batches(samples, 512, 256)) > 60
     assert 44 <= result.steps <= 50, result.steps
+
+
+def test_anchor_keeps_a_warm_start_near_its_parent_and_still_learns(tiny_target, tiny_drafter):
+    """train.anchor (L2-SP): the same run with a pull toward the starting weights ends closer to
+    them than without, and still learns the data."""
+    samples = _samples(tiny_target)
+    embed, head = tiny_target.embed_weight, tiny_target.lm_head_weight
+    before = evaluate(tiny_drafter, embed, head, samples, gamma=3)
+    start = {n: p.detach().clone() for n, p in tiny_drafter.named_parameters()}
+    runs = {}
+    for anchor in (0.0, 100.0):  # x lr 3e-3: each step takes back 30% of the drift
+        drafter = copy.deepcopy(tiny_drafter)
+        train(drafter, embed, head, samples, epochs=30, lr=3e-3, batch_tokens=512, max_len=256, ttt_length=3,
+              step_weight=0.8, progress=False, anchor=anchor)
+        drift = sum(float((p - start[n]).pow(2).sum()) for n, p in drafter.named_parameters()) ** 0.5
+        runs[anchor] = (drift, evaluate(drafter, embed, head, samples, gamma=3).accept_length)
+    assert runs[100.0][0] < 0.5 * runs[0.0][0], runs
+    assert runs[100.0][1] > before.accept_length + 0.1, (before, runs)

@@ -1,0 +1,149 @@
+"""Online-retrain settings side by side on one captured window, scored as the demo scores them.
+
+The demo's old-workload floor asks a retrain to gain on the new traffic without losing the old;
+what trades one for the other is the retrain's settings (rate, passes, ``train.anchor``). This
+replays one real retrain window under several settings:
+1. the window: a finished demo's home (``--home <TIDE_HOME>/demo``): its config
+   (``run/tide.yaml``), its Parquet dataset, and the window its first retrain trained on (the
+   smallest ``window_end_s`` in its MLflow store; ``--until`` overrides);
+2. per variant (``--variant name:key=value,...``, keys of ``train.*``): the parent (default: the
+   packaged static drafter) retrained on that window as ``tide train --online`` trains it (the
+   home's ``train.*`` with the variant's overrides, its time cap, 1 torch thread), weights rounded
+   to bfloat16 as registered;
+3. the demo's acceptance comparison: the same held-out prompts of each workload (``--before`` and
+   ``--after``, the demo's seeds), greedy, speculation always on with the served draft length and
+   stop rule; tokens per target forward of each candidate over the parent's, with a 90% paired
+   bootstrap interval over prompts. Tokens per forward do not depend on timing, so variants may
+   run in parallel processes (one ``--variant`` each).
+
+    python -m bench.retrain_variants --home /tmp/h/demo --variant base: --variant anchor:anchor=4,lr=1.5e-3
+                                     [--prompts 24] [--max-new-tokens 32] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import print_table, write_json
+from tide.comparison import load_prompts
+from tide.config import load_config
+from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_
+from tide.drafter.model import for_serving
+from tide.drafter.static import static_drafter_path
+from tide.models.target import load_target
+from tide.report import ModeResult, ratio_interval
+from tide.spec.generate import generate
+from tide.train.offline import render_prompt
+from tide.train.online import data_dir_of, plan_for
+from tide.train.ranks import train_kwargs
+from tide.train.trainer import train
+from tide.train.window import load_window
+
+SEEDS = {"before": 11, "after": 13}  # the demo comparison's prompt draws (tide/comparison.py)
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """"name:key=value,key=value" -> (name, {key: bool, int or float}); "name:" = the home's settings."""
+    name, _, rest = text.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = (part.strip() for part in item.partition("="))
+        overrides[key] = _value(value)
+    return name, overrides
+
+
+def _value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else float(text)
+
+
+def first_retrain_until(cfg) -> float:
+    """The end of the first retrain's window, from the home's MLflow store."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{Path(cfg.home) / 'mlflow' / 'mlflow.db'}")
+    ends = [float(r.data.params["window_end_s"]) for e in client.search_experiments()
+            for r in client.search_runs([e.experiment_id]) if "window_end_s" in r.data.params]
+    if not ends:
+        raise SystemExit(f"no retrain window recorded under {cfg.home}; pass --until")
+    return min(ends)
+
+
+def retrain(cfg, parent, target, overrides: dict, until_s: float, spill: Path):
+    """The parent retrained on the window as the online retrain does (the home's ``train.*`` with
+    ``overrides``, validated as config); returns (candidate, steps, train s, training requests)."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **overrides))
+    tc = cfg.train
+    data = load_window(data_dir_of(cfg), plan_for(cfg, until_s), tc.train_on_prompt, tc.max_seq_len, spill_dir=spill)
+    try:
+        cand = copy.deepcopy(parent)
+        t0 = time.monotonic()
+        result = train(cand, target.embed_weight, target.lm_head_weight, data.train, **train_kwargs(tc))
+        return round_weights_(cand, torch.bfloat16), result.steps, time.monotonic() - t0, len(data.train)
+    finally:
+        data.close()
+
+
+def tokens_per_forward(target, drafter, prompts, max_new_tokens: int, cfg) -> ModeResult:
+    res = ModeResult()
+    served = for_serving(drafter)
+    for ids in prompts:
+        out, stats = generate(target, served, ids, max_new_tokens, gamma=cfg.spec.draft_len,
+                              stop_prob=cfg.spec.draft_stop_prob)
+        res.add(tokens=len(out) - 1, decode_s=0.0, forwards=stats.target_forwards, committed=sum(stats.accept_lengths))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--home", required=True, help="a finished demo's home (<TIDE_HOME>/demo)")
+    ap.add_argument("--variant", action="append", required=True, help="name:key=value,... (train.* overrides)")
+    ap.add_argument("--parent", default=None, help="drafter folder (default: the packaged static drafter)")
+    ap.add_argument("--until", type=float, default=None, help="window end, unix s (default: the first retrain's)")
+    ap.add_argument("--before", default="chat")
+    ap.add_argument("--after", default="code")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    home = Path(args.home)
+    cfg = load_config(home / "run" / "tide.yaml", env={})
+    until_s = args.until or first_retrain_until(cfg)
+    target, tok, _ = load_target(cfg)
+    spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
+    parent = load_drafter(args.parent or static_drafter_path(cfg), spec)
+    prompts = {w: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(w, "heldout", args.prompts, SEEDS[k])]
+               for k, w in (("before", args.before), ("after", args.after))}
+    base = {w: tokens_per_forward(target, parent, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
+    rows = [("variant", "steps", "train s", *(f"{w} cand/parent (90%)" for w in prompts))]
+    out = {"until_s": until_s, "parent": {w: r.tokens_per_forward for w, r in base.items()}, "variants": {}}
+    for text in args.variant:
+        name, overrides = parse_variant(text)
+        spill = Path(cfg.home) / "bench-spill" / name
+        cand, steps, train_s, n_train = retrain(cfg, parent, target, overrides, until_s, spill)
+        res = {w: tokens_per_forward(target, cand, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
+        ratios = {w: (res[w].tokens_per_forward / base[w].tokens_per_forward,
+                      ratio_interval(res[w], base[w], "tokens_per_forward")) for w in prompts}
+        out["variants"][name] = {"overrides": overrides, "steps": steps, "train_s": round(train_s, 1),
+                                 "train_requests": n_train,
+                                 "tokens_per_forward": {w: r.tokens_per_forward for w, r in res.items()},
+                                 "ratio": {w: r for w, (r, _) in ratios.items()},
+                                 "ratio_interval_90": {w: i for w, (_, i) in ratios.items()}}
+        rows.append((name, steps, f"{train_s:.0f}",
+                     *(f"{r:.3f} ({lo:.3f}-{hi:.3f})" for r, (lo, hi) in ratios.values())))
+        print(f"{name}: " + ", ".join(f"{w} {r:.3f}" for w, (r, _) in ratios.items()), flush=True)
+    print_table(f"retrain variants on the window ending {until_s:.0f} (parent: "
+                + ", ".join(f"{w} {r.tokens_per_forward:.3f}" for w, r in base.items()) + " tokens/forward)", rows)
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
