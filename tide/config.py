@@ -218,16 +218,16 @@ class TrainConfig:
     # each step costs as much as the first (bench/retrain.py measures a retrain's cost)
     ttt_length: int = 4
     step_weight_decay: float = 0.8
-    # warm starts on small fresh windows: several passes at a moderate rate adapt to the new
-    # traffic; without the anchor below, higher rates forgot the old workload for no gain on the
-    # new one (docs/benchmarks.md, "Findings")
-    lr: float = 1.5e-3
+    # warm starts on small fresh windows: a low rate over several passes adapts to the new traffic
+    # while keeping the old; higher rates forgot the old workload for no gain on the new one
+    # (docs/benchmarks.md, "Findings")
+    lr: float = 1e-3
     epochs: int = 8  # passes over the window; a max_train_s cap shrinks the schedule to fit
     # each step pulls the weights back toward the warm start by lr x anchor of their distance
-    # (L2-SP): a window holds little of the old workload, and an unanchored retrain drifts off it.
-    # Higher keeps more of the old workload and gains less on the new (bench/retrain_variants.py).
-    # 0 = off; lr x anchor must stay below 1. Static training starts from scratch: never anchored
-    anchor: float = 5.0
+    # (L2-SP): higher keeps more of the old workload and gains less on the new. 0 = off, the default
+    # until a real window shows it pays (bench/retrain_variants.py; docs/benchmarks.md). lr x anchor
+    # must stay below 1; static training starts from scratch and is never anchored
+    anchor: float = 0.0
     batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory
     max_seq_len: int = 512
     draft_vocab_size: int = 8192
