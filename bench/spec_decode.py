@@ -3,7 +3,8 @@
 For each held-out prompt (never trained on), every mode (target-only, then one per ``--drafter``
 and ``--siblings`` value) decodes the same number of tokens, the order of modes rotating per prompt so drift in machine load
 hits all alike. Reports per drafter: tokens committed per target forward, per-position acceptance,
-decode tokens/s and the ratio to target-only (prefill excluded), each with a 90% paired-bootstrap
+decode tokens/s and the ratio to target-only (prefill excluded), a step's drafting and verify time
+in target-only decode forwards, each ratio with a 90% paired-bootstrap
 interval over prompts; with two or more drafter modes, each one's ratios to the first. ``--batch B``
 repeats the comparison through the batched reference engine with B concurrent requests (first
 drafter).
@@ -43,10 +44,12 @@ def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0, siblings=0):
 def single_stream(target, drafters: dict, prompts, n, gamma, stop_prob=0.0):
     """Per prompt, target-only and each drafter mode ({name: (drafter, siblings)}; order rotated);
     prefill time is measured separately (a 1-token run) and subtracted. Returns per mode: its
-    ``ModeResult``, and per drafter mode the acceptance rate by draft position."""
+    ``ModeResult``; per drafter mode the acceptance rate by draft position, and a step's drafting and
+    verify time in target-only decode forwards."""
     modes = [(TARGET, (None, 0)), *drafters.items()]
     res = {name: ModeResult() for name, _ in modes}
     pos_accepts = {name: [0] * gamma for name in drafters}
+    step_s = {name: [0.0, 0.0] for name in drafters}  # draft, verify seconds over every step
     for i, ids in enumerate(prompts):
         _, _, prefill_s = timed_generate(target, None, ids, 1, gamma)
         outs = {}
@@ -57,10 +60,14 @@ def single_stream(target, drafters: dict, prompts, n, gamma, stop_prob=0.0):
                           committed=len(out) - 1 if d is None else sum(stats.accept_lengths))
             if d is not None:
                 pos_accepts[name] = [a + b for a, b in zip(pos_accepts[name], stats.position_accepts)]
+                step_s[name] = [step_s[name][0] + stats.draft_s, step_s[name][1] + stats.verify_s]
         for name in drafters:
             res[name].identical_to_target += outs[name] == outs[TARGET]
     rates = {name: [a / max(1, res[name].forwards) for a in pos_accepts[name]] for name in drafters}
-    return res, rates
+    # a step's parts in target-only decode forwards: what the speedup is tokens/forward divided by
+    plain_s = res[TARGET].decode_s / max(1, res[TARGET].forwards)
+    costs = {name: [t / max(1, res[name].forwards) / plain_s for t in step_s[name]] for name in drafters}
+    return res, rates, costs
 
 
 def batched(engine_args, prompts, n, batch):
@@ -82,10 +89,11 @@ def batched(engine_args, prompts, n, batch):
         engine.close()
 
 
-def drafter_summary(name: str, path: Path, res: dict, rates: list[float]) -> dict:
+def drafter_summary(name: str, path: Path, res: dict, rates: list[float], cost: list[float]) -> dict:
     """One drafter's figures against target-only, with 90% intervals over prompts."""
     spec, plain = res[name], res[TARGET]
     return {"drafter": str(path), "tokens_per_forward": spec.tokens_per_forward,
+            "draft_cost_per_step": cost[0], "verify_cost_per_step": cost[1],
             "tokens_per_forward_interval_90": list(ratio_interval(spec, plain, "tokens_per_forward")),
             "position_acceptance": rates, "spec_tok_s": spec.tokens_per_s,
             "speedup": spec.tokens_per_s / plain.tokens_per_s,
@@ -99,6 +107,8 @@ def drafter_rows(name: str, d: dict, prompts: int) -> list[tuple[str, str]]:
     return [(f"[{name}] tokens per target forward", f"{d['tokens_per_forward']:.3f} (90% {lo:.3f}-{hi:.3f})"),
             (f"[{name}] acceptance by draft position", " ".join(f"{r:.2f}" for r in d["position_acceptance"])),
             (f"[{name}] speculative decode tok/s", f"{d['spec_tok_s']:.2f}"),
+            (f"[{name}] a step, in target-only decode forwards: draft + verify",
+             f"{d['draft_cost_per_step']:.3f} + {d['verify_cost_per_step']:.3f}"),
             (f"[{name}] speedup over target-only", f"{d['speedup']:.3f}x (90% {s_lo:.3f}-{s_hi:.3f})"),
             (f"[{name}] greedy outputs identical", f"{d['identical_outputs']}/{prompts}")]
 
@@ -135,8 +145,8 @@ def main() -> int:
     drafters = {name: (d, k) for name, _, d, k in modes}
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
-    res, rates = single_stream(target, drafters, prompts, args.max_new_tokens, gamma, stop_prob)
-    per = {name: drafter_summary(name, p, res, rates[name]) | {"siblings": k} for name, p, _, k in modes}
+    res, rates, costs = single_stream(target, drafters, prompts, args.max_new_tokens, gamma, stop_prob)
+    per = {name: drafter_summary(name, p, res, rates[name], costs[name]) | {"siblings": k} for name, p, _, k in modes}
     first = per[names[0]]
     summary = {"workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob,
                "target_tok_s": res[TARGET].tokens_per_s, **first, "drafters": per}

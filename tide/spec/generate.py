@@ -23,6 +23,8 @@ class GenerationStats:
     position_accepts: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)  # committed tokens per forward
     sibling_accepts: int = 0  # forwards whose first accepted token was a depth-1 sibling
+    draft_s: float = 0.0  # wall seconds drafting, summed over speculative steps
+    verify_s: float = 0.0  # ... and in their verify forwards
 
     @property
     def tokens_per_forward(self) -> float:
@@ -55,6 +57,8 @@ def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: lis
             for i, c in enumerate(st.position_accepts):
                 stats.position_accepts[i] += c
             stats.sibling_accepts += st.sibling_accepts
+            stats.draft_s += st.draft_s
+            stats.verify_s += st.verify_s
         stats.target_forwards += 1
         stats.accept_lengths.append(len(res.committed))
         tokens.extend(res.committed)
