@@ -31,7 +31,7 @@ import torch
 
 from bench.report import print_table, write_json
 from tide.comparison import load_prompts
-from tide.config import load_config
+from tide.config import ConfigError, TrainConfig, load_config
 from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_
 from tide.drafter.model import for_serving
 from tide.drafter.static import static_drafter_path
@@ -48,11 +48,17 @@ SEEDS = {"before": 11, "after": 13}  # the demo comparison's prompt draws (tide/
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """"name:key=value,key=value" -> (name, {key: bool, int or float}); "name:" = the home's settings."""
-    name, _, rest = text.partition(":")
+    """"name:key=value,key=value" -> (name, {key: bool, int or float}); "name:" = the home's settings.
+    Raises ValueError naming what is wrong (no name, an unknown ``train.*`` key, a value that is no number)."""
+    name, sep, rest = text.partition(":")
+    if not name or not sep:
+        raise ValueError(f"{text!r}: expected name:key=value,... (name: alone = the home's settings)")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
     overrides = {}
     for item in filter(None, rest.split(",")):
         key, _, value = (part.strip() for part in item.partition("="))
+        if key not in known:
+            raise ValueError(f"{text!r}: {key!r} is not a train.* setting")
         overrides[key] = _value(value)
     return name, overrides
 
@@ -112,6 +118,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    try:  # every variant checked (names, keys, values, config rules) before anything loads or trains
+        variants = [parse_variant(v) for v in args.variant]
+        for _, overrides in variants:
+            dataclasses.replace(TrainConfig(), **overrides)
+    except (ValueError, ConfigError) as exc:
+        ap.error(str(exc))
     torch.set_num_threads(1)
     home = Path(args.home)
     cfg = load_config(home / "run" / "tide.yaml", env={})
@@ -124,8 +136,7 @@ def main() -> int:
     base = {w: tokens_per_forward(target, parent, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
     rows = [("variant", "steps", "train s", *(f"{w} cand/parent (90%)" for w in prompts))]
     out = {"until_s": until_s, "parent": {w: r.tokens_per_forward for w, r in base.items()}, "variants": {}}
-    for text in args.variant:
-        name, overrides = parse_variant(text)
+    for name, overrides in variants:
         spill = Path(cfg.home) / "bench-spill" / name
         cand, steps, train_s, n_train = retrain(cfg, parent, target, overrides, until_s, spill)
         res = {w: tokens_per_forward(target, cand, p, args.max_new_tokens, cfg) for w, p in prompts.items()}

@@ -272,8 +272,8 @@ class TrainConfig:
     backend: str = "tide"  # tide | specforge
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.anchor * self.lr < 1.0:
-            raise ConfigError(f"train.anchor x train.lr must be in [0, 1), got {self.anchor} x {self.lr}")
+        if self.anchor < 0 or self.anchor * self.lr >= 1.0:
+            raise ConfigError(f"train.anchor must be >= 0 and train.anchor x train.lr below 1, got {self.anchor} x {self.lr}")
 
 
 @dataclass(frozen=True)

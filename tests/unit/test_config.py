@@ -167,3 +167,12 @@ def test_draft_siblings_outside_what_a_verify_pass_holds_is_refused():
     for bad in (-1, MAX_DRAFT_SIBLINGS + 1, 10**9):
         with pytest.raises(ConfigError, match="draft_siblings"):
             load_config(overrides={"spec": {"draft_siblings": bad}})
+
+
+def test_train_anchor_refused_when_negative_or_a_whole_step_of_drift():
+    from tide.config import ConfigError, load_config
+
+    assert load_config(env={}, overrides={"train": {"anchor": 5.0}}).train.anchor == 5.0
+    for bad in (-1.0, 1000.0):  # x lr 1e-3: a pull of the whole drift (or back past the start)
+        with pytest.raises(ConfigError, match="train.anchor"):
+            load_config(env={}, overrides={"train": {"anchor": bad}})

@@ -141,6 +141,8 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     """Train ``drafter`` in place on ``device`` (default CPU; left on the CPU afterwards). Each
     step takes ``accumulate`` batches per rank (``tide/train/distributed.py``). ``anchor`` > 0 pulls
     the weights back toward where they started after every step (``_pull_toward``)."""
+    if anchor < 0 or anchor * lr >= 1.0:  # a pull of the whole drift or more overshoots the start
+        raise ValueError(f"anchor must be >= 0 and anchor x lr below 1, got {anchor} x {lr}")
     device = device or torch.device("cpu")
     seed_all(seed)
     drafter.lm_head.weight.requires_grad_(train_head)

@@ -108,3 +108,14 @@ def test_anchor_keeps_a_warm_start_near_its_parent_and_still_learns(tiny_target,
         runs[anchor] = (drift, evaluate(drafter, embed, head, samples, gamma=3).accept_length)
     assert runs[100.0][0] < 0.5 * runs[0.0][0], runs
     assert runs[100.0][1] > before.accept_length + 0.1, (before, runs)
+
+
+def test_anchor_refused_by_the_trainer_outside_its_range(tiny_target, tiny_drafter):
+    import pytest
+
+    samples = _samples(tiny_target, n=2)
+    for bad in (-1.0, 1000.0):
+        with pytest.raises(ValueError, match="anchor"):
+            train(copy.deepcopy(tiny_drafter), tiny_target.embed_weight, tiny_target.lm_head_weight, samples,
+                  epochs=1, lr=1e-3, batch_tokens=512, max_len=256, ttt_length=1, step_weight=0.8, progress=False,
+                  anchor=bad)
