@@ -39,11 +39,15 @@ class TargetSource:
 
 
 def save_samples(samples: list[Sample], path: Path) -> None:
+    """Tokens, loss mask and states of each sample, and the target's argmax where the trainer
+    computed it already (``target_top``: what the training ranks would otherwise each recompute)."""
     tensors = {}
     for i, s in enumerate(samples):
         aux, final = s.states()
         tensors.update({f"{i}.tokens": s.tokens, f"{i}.mask": s.loss_mask, f"{i}.aux": aux.contiguous(),
                         f"{i}.final": final.contiguous()})
+        if s.target_top is not None:
+            tensors[f"{i}.top"] = s.target_top
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs may build the same cache at once
     save_file(tensors, str(tmp))
     tmp.replace(path)
@@ -52,8 +56,8 @@ def save_samples(samples: list[Sample], path: Path) -> None:
 def load_samples(path: Path) -> list[Sample]:
     t = load_file(str(path))
     n = len({k.split(".")[0] for k in t})
-    return [Sample(tokens=t[f"{i}.tokens"], loss_mask=t[f"{i}.mask"], aux=t[f"{i}.aux"], final=t[f"{i}.final"])
-            for i in range(n)]
+    return [Sample(tokens=t[f"{i}.tokens"], loss_mask=t[f"{i}.mask"], aux=t[f"{i}.aux"], final=t[f"{i}.final"],
+                   target_top=t.get(f"{i}.top")) for i in range(n)]
 
 
 def shard_bounds(n: int, workers: int, batch: int) -> list[tuple[int, int]]:

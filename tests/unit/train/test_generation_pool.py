@@ -54,6 +54,11 @@ def test_samples_file_round_trip(tmp_path):
     for a, b in zip(samples, back):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final)
         assert torch.equal(a.loss_mask, b.loss_mask)
+        assert b.target_top is None  # not computed yet: the trainer fills it
+    samples[1].target_top = torch.arange(5)  # the trainer's argmax travels with the samples once computed
+    save_samples(samples, tmp_path / "t.safetensors")
+    back = load_samples(tmp_path / "t.safetensors")
+    assert back[0].target_top is None and torch.equal(back[1].target_top, torch.arange(5))
 
 
 def test_a_bad_recipe_is_refused_when_made():
@@ -63,4 +68,16 @@ def test_a_bad_recipe_is_refused_when_made():
         StaticRecipe(precision="fp16")
     with pytest.raises(ValueError, match="generation_workers"):
         StaticRecipe(generation_workers=0)
+    with pytest.raises(ValueError, match="train_ranks"):
+        StaticRecipe(train_ranks=0)
+    with pytest.raises(ValueError, match="generation_chunk"):
+        StaticRecipe(generation_batch=32, generation_chunk=100)  # a batch would straddle two chunks
     assert StaticRecipe(precision="auto", generation_workers=2).generation_workers == 2
+
+
+def test_cache_chunks_have_fixed_bounds_so_a_larger_recipe_reuses_a_smaller_ones():
+    from tide.train.static import generation_chunks
+
+    assert generation_chunks(2000, 800) == [(0, 800), (800, 1600), (1600, 2000)]
+    assert generation_chunks(5600, 800)[:4] == generation_chunks(3200, 800)
+    assert generation_chunks(0, 800) == []
