@@ -109,18 +109,19 @@ class StaticRecipe:
 # the recipe of the drafter packaged until Session 17 (1200 self-generated answers, 3 epochs in fp32):
 # kept reachable for comparisons
 SELF_GENERATED_RECIPE = StaticRecipe()
-# the packaged drafter's recipe (``make static-drafter``): more of what won at equal compute (the
+# the recipe packaged in Sessions 18-19: more of what won at equal compute (the
 # target's own answers, more passes over them) in the same CPU budget: generation on two cores,
 # training under bf16 autocast where the CPU multiplies bf16 natively, the schedule capped in time
 # so a slower machine stays within the budget (the cap sets the step count: the machine's speed does)
 SCALED_RECIPE = StaticRecipe(train_prompts=3200, generation_workers=2, precision="auto", epochs=5,
                              max_train_s=2100.0)
-# the scaled recipe on the rest of the 3 CPU-hours: nearly every English chat prompt of the
+# the packaged drafter's recipe (``make static-drafter``): the scaled recipe on the rest of the
+# issue's 3 CPU-hours: nearly every English chat prompt of the
 # train split answered (the first 3200 are the scaled recipe's, so its cached chunks are reused),
-# and the training half on both cores (two ranks, twice the tokens per wall-second)
+# and the training half on both cores (two ranks: a step takes one batch per core)
 LARGE_RECIPE = replace(SCALED_RECIPE, train_prompts=5600, train_ranks=2, max_train_s=2000.0)
 # ``tide train --static --recipe NAME``
-RECIPES = {"default": SCALED_RECIPE, "scaled": SCALED_RECIPE, "large": LARGE_RECIPE,
+RECIPES = {"default": LARGE_RECIPE, "large": LARGE_RECIPE, "scaled": SCALED_RECIPE,
            "self-generated": SELF_GENERATED_RECIPE}
 
 
