@@ -12,9 +12,10 @@ Steps of ``train_ranked``:
 2. spawn ``world - 1`` processes; each loads those files, joins the gloo group at a loopback port
    and trains its share; this process trains rank 0's share with the drafter it holds;
 3. tear down the group, wait for the ranks, delete the scratch files.
-A rank that fails ends the others at their next collective (gloo's timeout at the latest); the
-error is raised here. Unlike an online retrain under ``torchrun`` (``tide/train/ranks.py``), the
-recipe is one command on one machine, so it starts its own ranks.
+If rank 0 fails, the spawned ranks are terminated; a spawned rank that fails ends rank 0 at its next
+collective (gloo's timeout at the latest). The process must hold no torch.distributed group of its own
+(refused): the recipe runs as its own command. Unlike an online retrain under ``torchrun``
+(``tide/train/ranks.py``), the recipe is one command on one machine, so it starts its own ranks.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import logging
 import multiprocessing
 import shutil
 import socket
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -61,8 +61,8 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
-def _run_rank(rank: int, world: int, port: int, scratch: str, kwargs: dict) -> int:
-    """A spawned rank: load what rank 0 wrote, train this rank's share; its step count."""
+def _run_rank(rank: int, world: int, port: int, scratch: str, kwargs: dict) -> None:
+    """A spawned rank: load what rank 0 wrote, train this rank's share (a failure: exit code 1)."""
     torch.set_num_threads(1)  # one core per rank
     folder = Path(scratch)
     drafter = load_drafter(folder / "drafter")
@@ -70,11 +70,10 @@ def _run_rank(rank: int, world: int, port: int, scratch: str, kwargs: dict) -> i
     samples = load_samples(folder / "samples.safetensors")
     _join(rank, world, port)
     try:
-        result = train(drafter, heads["embed"], heads["lm_head"], samples, ranks=Ranks(rank, world, rank),
-                       progress=False, **kwargs)
+        train(drafter, heads["embed"], heads["lm_head"], samples, ranks=Ranks(rank, world, rank), progress=False,
+              **kwargs)
     finally:
         _leave()
-    return result.steps
 
 
 def train_ranked(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
@@ -83,7 +82,13 @@ def train_ranked(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Ten
     rank 0 and ends with the trained weights in ``drafter``); ``world`` 1 trains here alone."""
     if world <= 1:
         return train(drafter, embed, lm_head, samples, progress=progress, **kwargs)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # this process would be rank 0 of a second default group
+        raise RuntimeError("training ranks need a process without a torch.distributed group; run the static "
+                           "recipe in its own process (tide train --static)")
     scratch.mkdir(parents=True, exist_ok=True)
+    procs = []
     try:
         prepare(samples, drafter, lm_head)  # the full-vocab argmax once, not once per rank
         save_samples(samples, scratch / "samples.safetensors")
@@ -93,19 +98,25 @@ def train_ranked(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Ten
                   str(scratch / "heads.safetensors"))
         port = _free_port()
         ctx = multiprocessing.get_context("spawn")  # no forked torch thread pools or open files
-        with ProcessPoolExecutor(max_workers=world - 1, mp_context=ctx) as pool:
-            futures = [pool.submit(_run_rank, r, world, port, str(scratch), kwargs) for r in range(1, world)]
-            _join(0, world, port)
-            try:
-                result = train(drafter, embed, lm_head, samples, ranks=Ranks(0, world, 0), progress=progress,
-                               **kwargs)
-            finally:
-                _leave()
-            for r, f in enumerate(futures, start=1):
-                steps = f.result()
-                if steps != result.steps:  # DDP keeps ranks in step; a mismatch is a bug, not noise
-                    raise RuntimeError(f"training rank {r} took {steps} steps, rank 0 {result.steps}")
+        procs = [ctx.Process(target=_run_rank, args=(r, world, port, str(scratch), kwargs), daemon=True)
+                 for r in range(1, world)]
+        for proc in procs:
+            proc.start()
+        _join(0, world, port)
+        try:
+            result = train(drafter, embed, lm_head, samples, ranks=Ranks(0, world, 0), progress=progress, **kwargs)
+        finally:
+            _leave()
+        for proc in procs:
+            proc.join()
+        failed = [r for r, proc in enumerate(procs, start=1) if proc.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"training ranks {failed} failed (their traceback is on stderr)")
         log.info("trained on %d ranks: %d steps", world, result.steps)
         return result
     finally:
+        for proc in procs:  # rank 0 failed: the others would wait at a collective until its timeout
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
         shutil.rmtree(scratch, ignore_errors=True)
