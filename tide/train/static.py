@@ -73,7 +73,7 @@ class StaticRecipe:
     # a cap on training wall time (the schedule shrinks to fit, tide/train/trainer.py); None: epochs
     max_train_s: float | None = None
     # training processes, one core each (tide/train/static_ranks.py): a step takes one batch per
-    # rank, so N ranks see N times the tokens per step and per wall-second
+    # rank, so N ranks see N times the tokens per step
     train_ranks: int = 1
     lr: float = 2e-3
     batch_tokens: int = 1024
@@ -219,15 +219,15 @@ def build_drafter(target, tokenizer, eos, recipe: StaticRecipe, samples: list[Sa
 
 
 def fit(drafter, target, samples: list[Sample], held_samples: list[Sample], recipe: StaticRecipe,
-        progress: bool = True, scratch: Path | None = None):
-    """Train ``drafter`` in place (on ``recipe.train_ranks`` processes, their files under
-    ``scratch``); (result, held-out eval before, after)."""
+        progress: bool = True, scratch_dir: Path | None = None):
+    """Train ``drafter`` in place (on ``recipe.train_ranks`` processes, their files in a folder
+    under ``scratch_dir``); (result, held-out eval before, after)."""
     embed, head = target.embed_weight, target.lm_head_weight
     before = evaluate(drafter, embed, head, held_samples, recipe.gamma)
     # (the trainer defaults: SpecForge's soft cross-entropy only, lm_head trained)
-    result = train_ranked(drafter, embed, head, samples, recipe.train_ranks, scratch or Path("train-ranks"),
-                          progress=progress, epochs=recipe.epochs, lr=recipe.lr, batch_tokens=recipe.batch_tokens,
-                          max_len=recipe.max_len, ttt_length=recipe.ttt_length, step_weight=0.8, seed=recipe.seed,
+    result = train_ranked(drafter, embed, head, samples, recipe.train_ranks, scratch_dir, progress=progress,
+                          epochs=recipe.epochs, lr=recipe.lr, batch_tokens=recipe.batch_tokens, max_len=recipe.max_len,
+                          ttt_length=recipe.ttt_length, step_weight=0.8, seed=recipe.seed,
                           max_wall_s=recipe.max_train_s, precision=recipe.precision)
     after = evaluate(drafter, embed, head, held_samples, recipe.gamma)
     return result, before, after
@@ -256,7 +256,7 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
     held_samples = heldout_chat(target, tokenizer, eos, recipe, cache, home, source)
     data_s = time.monotonic() - t0
     drafter = build_drafter(target, tokenizer, eos, recipe, samples, home)
-    result, before, after = fit(drafter, target, samples, held_samples, recipe, scratch=cache / "train-ranks")
+    result, before, after = fit(drafter, target, samples, held_samples, recipe, scratch_dir=cache)
     log.info("static drafter: simulated accept length %.3f -> %.3f", before.accept_length, after.accept_length)
     confidence = {}
     if recipe.confidence_head:

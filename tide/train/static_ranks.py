@@ -8,7 +8,7 @@ others; every rank trains the same drafter on its share of each step's batches
 
 Steps of ``train_ranked``:
 1. compute the target's argmax once here (``prepare``) and write the samples with it, the
-   drafter and the target's embedding and lm_head to a scratch folder (safetensors);
+   drafter and the target's embedding and lm_head to a fresh scratch folder (safetensors);
 2. spawn ``world - 1`` processes; each loads those files, joins the gloo group at a loopback port
    and trains its share; this process trains rank 0's share with the drafter it holds;
 3. tear down the group, wait for the ranks, delete the scratch files.
@@ -23,7 +23,7 @@ import datetime
 import logging
 import multiprocessing
 import shutil
-import socket
+import tempfile
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from tide.drafter.artifact import load_drafter, save_drafter
 from tide.drafter.model import Eagle3Drafter
+from tide.process import free_port
 from tide.train.distributed import Ranks
 from tide.train.generation_pool import load_samples, save_samples
 from tide.train.trainer import Sample, TrainResult, prepare, train
@@ -39,12 +40,6 @@ log = logging.getLogger(__name__)
 
 # a rank waits this long at a collective for the others (a dead rank ends the run, not hangs it)
 GROUP_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _join(rank: int, world: int, port: int) -> None:
@@ -77,9 +72,11 @@ def _run_rank(rank: int, world: int, port: int, scratch: str, kwargs: dict) -> N
 
 
 def train_ranked(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
-                 world: int, scratch: Path, progress: bool = True, **kwargs) -> TrainResult:
+                 world: int, scratch_dir: Path | None = None, progress: bool = True, **kwargs) -> TrainResult:
     """``train(drafter, embed, lm_head, samples, **kwargs)`` over ``world`` processes (this one is
-    rank 0 and ends with the trained weights in ``drafter``); ``world`` 1 trains here alone."""
+    rank 0 and ends with the trained weights in ``drafter``); ``world`` 1 trains here alone. The
+    ranks' files go to a fresh folder under ``scratch_dir`` (default: the system's temp dir), removed
+    afterwards: they hold every sample, so put it where the sample cache lives."""
     if world <= 1:
         return train(drafter, embed, lm_head, samples, progress=progress, **kwargs)
     import torch.distributed as dist
@@ -87,7 +84,9 @@ def train_ranked(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Ten
     if dist.is_initialized():  # this process would be rank 0 of a second default group
         raise RuntimeError("training ranks need a process without a torch.distributed group; run the static "
                            "recipe in its own process (tide train --static)")
-    scratch.mkdir(parents=True, exist_ok=True)
+    if scratch_dir is not None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="train-ranks-", dir=scratch_dir))  # unique: two runs never share
     procs = []
     try:
         prepare(samples, drafter, lm_head)  # the full-vocab argmax once, not once per rank
@@ -96,7 +95,7 @@ def train_ranked(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Ten
         # a copy of lm_head: tied to the embedding in SmolLM2, and safetensors refuses shared storage
         save_file({"embed": embed.contiguous(), "lm_head": lm_head.clone().contiguous()},
                   str(scratch / "heads.safetensors"))
-        port = _free_port()
+        port = free_port()
         ctx = multiprocessing.get_context("spawn")  # no forked torch thread pools or open files
         procs = [ctx.Process(target=_run_rank, args=(r, world, port, str(scratch), kwargs), daemon=True)
                  for r in range(1, world)]
