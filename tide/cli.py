@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static", action="store_true", help="the static pre-trained drafter (ShareGPT English)")
     p.add_argument("--quick", action="store_true", help="a small, fast run (tests)")
     p.add_argument("--recipe", choices=("default", "self-generated", "scaled", "large"), default="default",
-                   help="(--static) the recipe: default (= large: 5600 self-generated answers on two generation workers, bf16 training on two processes under a training-time cap, ~2.6 CPU-hours; the packaged drafter's); scaled (3200 answers, one training process: packaged in Sessions 18-19); self-generated (the smaller one packaged until Session 17, for comparisons)")
+                   help="(--static) the recipe: default (= large: 5600 self-generated answers on two generation workers, bf16 training on two processes under a training-time cap, within the 3 CPU-hour budget on a 2-core machine; the packaged drafter's); scaled (3200 answers, one training process: packaged in Sessions 18-19); self-generated (the smaller one packaged until Session 17, for comparisons)")
     p.add_argument("--out", help="output folder (default <home>/drafters/static)")
     p.add_argument("--online", action="store_true",
                    help="one retrain from the captured dataset: warm start from the champion, register a challenger")

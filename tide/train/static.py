@@ -115,10 +115,10 @@ SELF_GENERATED_RECIPE = StaticRecipe()
 # so a slower machine stays within the budget (the cap sets the step count: the machine's speed does)
 SCALED_RECIPE = StaticRecipe(train_prompts=3200, generation_workers=2, precision="auto", epochs=5,
                              max_train_s=2100.0)
-# the packaged drafter's recipe (``make static-drafter``): the scaled recipe on the rest of the
-# issue's 3 CPU-hours: nearly every English chat prompt of the
-# train split answered (the first 3200 are the scaled recipe's, so its cached chunks are reused),
-# and the training half on both cores (two ranks: a step takes one batch per core)
+# the packaged drafter's recipe (``make static-drafter``): the scaled recipe grown to the 3 CPU-hour
+# budget: nearly every English chat prompt of the train split answered (the first 3200 are the
+# scaled recipe's, so its cached chunks are reused), and the training half on both cores (two
+# ranks: a step takes one batch per core)
 LARGE_RECIPE = replace(SCALED_RECIPE, train_prompts=5600, train_ranks=2, max_train_s=2000.0)
 # ``tide train --static --recipe NAME``
 RECIPES = {"default": LARGE_RECIPE, "large": LARGE_RECIPE, "scaled": SCALED_RECIPE,
