@@ -79,7 +79,9 @@ class DemoSettings:
     def quick(cls) -> "DemoSettings":
         # the retrain triggers on all new tokens, chat included: 7.5k leaves ~6k of code in it
         # (6k left ~4k, a minority of the training requests, and a challenger no better)
-        return cls(before_requests=8, after_requests=12, after_min_forwards=600, after_min_drafted_forwards=30,
+        # the live reading after the swap is a mean over verified rows: a few dozen are too few to
+        # compare with the static drafter's, so wait for ~100 (an event, bounded by after_timeout_s)
+        return cls(before_requests=8, after_requests=12, after_min_forwards=600, after_min_drafted_forwards=100,
                    concurrency=6,
                    max_tokens=48, retrain_min_tokens=7_500, retrain_max_train_tokens=8_000, retrain_max_s=120.0,
                    compare_prompts=4, compare_max_tokens=32, swap_timeout_s=12 * 60, after_timeout_s=3 * 60,

@@ -23,8 +23,8 @@ ENGINE_SIBLING_ACCEPTS = Counter(
     "tide_engine_sibling_accepts_total", "Drafted rows whose first accepted token was a depth-1 sibling "
     "(spec.draft_siblings), not the chain's first draft", ["drafter_version"])
 ENGINE_ACCEPT_LENGTH = Histogram(
-    "tide_engine_accept_length_tokens", "Tokens committed per target forward (accepted + bonus) of drafted rows "
-    "(all rows when no drafter serves)",
+    "tide_engine_accept_length_tokens", "Tokens committed per target forward (accepted + bonus) of rows with verified "
+    "drafts (all rows when no drafter serves)",
     ["drafter_version"], buckets=(1, 2, 3, 4, 5, 6, 7, 8, 9))
 ENGINE_STEP_SECONDS = Histogram(
     "tide_engine_step_seconds", "Wall time of one batched decode step",

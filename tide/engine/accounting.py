@@ -1,8 +1,11 @@
 """The reference engine's counters: EngineStats for callers and the Prometheus series, kept together.
 
 The decode thread writes, any thread reads ``stats()``; the lock is never held across a step.
-A drafter's acceptance counts only the rows it drafted: a row the scheduler or the gate ran
-target-only says nothing about the drafter, and the swap guard and the dashboards judge it by this.
+A drafter's acceptance counts only the rows whose drafts were verified: a row the scheduler or the
+gate ran target-only says nothing about the drafter, nor does a row of a drafted step that kept no
+draft (its workload gated off beside one that drafts, or the cost plan truncating every draft after
+a peek): counted, such rows would pull the reading toward 1 by how the step was scheduled, not by
+what the drafter proposes. The swap guard and the dashboards judge a drafter by this.
 """
 from __future__ import annotations
 
@@ -24,18 +27,23 @@ class EngineAccounting:
         with self._lock:
             return self._stats.copy()
 
-    def step(self, version: str, results: list[RowResult], stats: StepStats | None, judged: bool) -> None:
-        """One decode step's rows; ``judged``: the rows count towards ``version``'s acceptance."""
+    def step(self, version: str, results: list[RowResult], stats: StepStats | None, has_drafter: bool) -> None:
+        """One decode step's rows; ``stats`` is None for a target-only step. With no drafter serving,
+        every row counts (its acceptance is the target-only baseline, 1 token per forward)."""
+        if not has_drafter:
+            judged = results
+        else:
+            judged = [] if stats is None else [r for r, n in zip(results, stats.drafted) if n > 0]
         with self._lock:
             st = self._stats
             st.target_forwards += len(results)
             acc = st.acceptance.setdefault(version, [0, 0, 0])
-            for res in results if judged else ():
+            for res in judged:
                 acc[0] += 1
                 acc[1] += res.n_accepted
                 acc[2] += len(res.committed)
         metrics.ENGINE_TARGET_FORWARDS.labels(version).inc(len(results))
-        for res in results if judged else ():
+        for res in judged:
             metrics.ENGINE_ACCEPT_LENGTH.labels(version).observe(len(res.committed))
         if stats is not None:
             metrics.ENGINE_DRAFT_TOKENS.labels(version).inc(sum(stats.drafted) + stats.siblings * len(stats.drafted))

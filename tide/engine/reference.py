@@ -287,8 +287,8 @@ class ReferenceEngine(Engine):
         else:
             forwards_s = stats.verify_s + stats.draft_s
         self._commit(slots, results, drafted=stats is not None)
-        # a step the scheduler or the gate ran target-only is not the drafter's (tide/engine/accounting.py)
-        self._acct.step(version, results, stats, judged=stats is not None or self._drafter is None)
+        # only rows with verified drafts are the drafter's acceptance (tide/engine/accounting.py)
+        self._acct.step(version, results, stats, has_drafter=self._drafter is not None)
         emitted = sum(self._emit(s, res.committed) for s, res in zip(slots, results))
         wall_s = time.perf_counter() - t0
         self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None, emitted)
