@@ -41,7 +41,7 @@ from tide.spec.generate import generate
 from tide.train.offline import render_prompt
 from tide.train.online import data_dir_of, plan_for
 from tide.train.ranks import train_kwargs
-from tide.train.trainer import train
+from tide.train.trainer import keep_update_, train
 from tide.train.window import load_window
 
 SEEDS = {"before": 11, "after": 13}  # the demo comparison's prompt draws (tide/comparison.py)
@@ -91,6 +91,7 @@ def retrain(cfg, parent, target, overrides: dict, until_s: float, spill: Path):
         cand = copy.deepcopy(parent)
         t0 = time.monotonic()
         result = train(cand, target.embed_weight, target.lm_head_weight, data.train, **train_kwargs(tc))
+        keep_update_(cand, parent, tc.update_fraction)
         return round_weights_(cand, torch.bfloat16), result.steps, time.monotonic() - t0, len(data.train)
     finally:
         data.close()

@@ -228,6 +228,10 @@ class TrainConfig:
     # until a real window shows it pays (bench/retrain_variants.py; docs/benchmarks.md). lr x anchor
     # must stay below 1; static training starts from scratch and is never anchored
     anchor: float = 0.0
+    # the candidate keeps this fraction of its weights' change from the parent (WiSE-FT): below 1 it
+    # gives up a little of the new traffic's gain for much of the old traffic's loss; 1 = as trained.
+    # Applied after training, whichever backend trains; static training has no parent to keep
+    update_fraction: float = 0.8
     batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory
     max_seq_len: int = 512
     draft_vocab_size: int = 8192
@@ -272,6 +276,8 @@ class TrainConfig:
     backend: str = "tide"  # tide | specforge
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.update_fraction <= 1.0:
+            raise ConfigError(f"train.update_fraction must be in (0, 1], got {self.update_fraction}")
         if self.anchor < 0 or self.anchor * self.lr >= 1.0:
             raise ConfigError(f"train.anchor must be >= 0 and train.anchor x train.lr below 1, got {self.anchor} x {self.lr}")
 

@@ -129,6 +129,7 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     losses = registry.client.get_metric_history(version.run_id, "train_loss")
     assert len(losses) == metrics["train_steps"] > 0
     assert version.params["parent_version"] == "1" and version.params["window_start_s"] == str(T0 + 24)
+    assert version.params["train.update_fraction"] == str(cfg.train.update_fraction)  # how much of the change was kept
     local = registry.download(2)
     spec = TargetSpec(64, 512, AUX)
     trained, parent = load_drafter(local, spec), load_drafter(registry.download(1), spec)

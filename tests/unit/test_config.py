@@ -176,3 +176,10 @@ def test_train_anchor_refused_when_negative_or_a_whole_step_of_drift():
     for bad in (-1.0, 1000.0):  # x lr 1e-3: a pull of the whole drift (or back past the start)
         with pytest.raises(ConfigError, match="train.anchor"):
             load_config(env={}, overrides={"train": {"anchor": bad}})
+
+
+def test_train_update_fraction_refused_outside_zero_to_one():
+    assert load_config(env={}, overrides={"train": {"update_fraction": 1.0}}).train.update_fraction == 1.0
+    for bad in (0.0, -0.5, 1.2):
+        with pytest.raises(ConfigError, match="train.update_fraction"):
+            load_config(env={}, overrides={"train": {"update_fraction": bad}})

@@ -242,7 +242,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     """Step 6: evaluate the parent, train the candidate, evaluate it on the same held-out slice."""
     import torch
 
-    from tide.train.trainer import evaluate, prepare, train
+    from tide.train.trainer import evaluate, keep_update_, prepare, train
 
     tc, data = cfg.train, inputs.data
     device = start(cfg)
@@ -263,6 +263,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
             inputs.candidate, trained = train_specforge(cfg, inputs, work, data_dir_of(cfg))
         else:
             trained = train(inputs.candidate, embed, head, data.train, device=device, **train_kwargs(tc, progress))
+    keep_update_(inputs.candidate, inputs.champion, tc.update_fraction)  # either backend's result
     # stored and served in bf16, as the static drafter (half the bytes to stream per draft
     # token); rounded before evaluation so the registered metrics describe those weights
     round_weights_(inputs.candidate, torch.bfloat16)
