@@ -180,9 +180,8 @@ def test_broker_outage_never_blocks_capture_and_capture_resumes(durable_broker, 
           f"{p99(during_lat) * 1e6:.0f} us, after {p99(after_lat) * 1e6:.0f} us; max during "
           f"{max(during_lat) * 1e3:.2f} ms; records produced {produced:.0f} dropped {dropped:.0f}; "
           f"backlog settled {resumed_s:.1f} s after the broker returned")
-    assert p99(during_lat) < 0.002  # an enqueue; waits only for the GIL on a busy machine
-    # ... nor relative to the same loop with the broker up (a 2 ms floor: with the suite's other worker
-    # busy on both cores, a p99 of ~1.5 ms was seen from scheduling alone)
+    # an enqueue: relative to the same loop with the broker up, not an absolute figure (with the
+    # suite's other worker busy on both cores, p99s of 1.5-2 ms come from scheduling alone; a 2 ms floor)
     assert p99(during_lat) < max(0.002, 3 * min(p99(before_lat), p99(after_lat)))
     # no offer waited on the broker: such a wait lasts the worker's connect timeout (1 s) or more;
     # one scheduling stall of the decode loop (the suite's other worker runs the demo stack on the same

@@ -135,6 +135,12 @@ def _rows(n: int, committed: int):
                       aux_hidden=empty, final_hidden=empty) for _ in range(n)]
 
 
+def _drafted(n: int, committed: int):
+    """A drafted step's stats: every row verified 4 drafts, ``committed - 1`` of them accepted."""
+    from tide.spec.decode import StepStats
+    return StepStats(gamma=4, accepted=[committed - 1] * n, drafted=[4] * n)
+
+
 def test_sampler_counts_gated_rows_as_served_not_as_drafted(metrics_url):
     """The demo's post-swap evidence: rows the cost gate ran target-only are forwards the drafter's
     engine served, but they say nothing of its acceptance (the engine's own accounting, scraped
@@ -144,11 +150,11 @@ def test_sampler_counts_gated_rows_as_served_not_as_drafted(metrics_url):
 
     accounting, version = EngineAccounting(), "sampler-test-v7"
     sampler = AcceptanceSampler(metrics_url)
-    accounting.step(version, _rows(3, 2), None, judged=True)  # before the window: not counted
+    accounting.step(version, _rows(3, 2), _drafted(3, 2), has_drafter=True)  # before the window: not counted
     sampler.sample()
     start_s = time.monotonic() - sampler.t0
-    accounting.step(version, _rows(4, 3), None, judged=True)
-    accounting.step(version, _rows(5, 1), None, judged=False)  # the gate ran these target-only
+    accounting.step(version, _rows(4, 3), _drafted(4, 3), has_drafter=True)
+    accounting.step(version, _rows(5, 1), None, has_drafter=True)  # the gate ran these target-only
     sampler.sample()
     assert sampler.served_forwards_since(start_s, version) == 9
     assert sampler.forwards_since(start_s, version) == 4
