@@ -15,9 +15,14 @@ replays one real retrain window under several settings:
    stop rule; tokens per target forward of each candidate over the parent's, with a 90% paired
    bootstrap interval over prompts. Tokens per forward do not depend on timing, so variants may
    run in parallel processes (one ``--variant`` each).
+``--fractions 1,0.8,...`` scores each trained candidate at several ``train.update_fraction``s (the
+parent plus that fraction of its change: one training run per variant, not one per fraction);
+``--candidate <folder>`` scores a drafter already trained on the window (a demo's registered
+version) the same way, without training.
 
     python -m bench.retrain_variants --home /tmp/h/demo --variant base: --variant anchor:anchor=4,lr=1.5e-3
-                                     [--prompts 24] [--max-new-tokens 32] [--json out.json]
+                                     [--candidate <folder>] [--fractions 1,0.8] [--prompts 24]
+                                     [--max-new-tokens 32] [--json out.json]
 """
 from __future__ import annotations
 
@@ -83,7 +88,8 @@ def first_retrain_until(cfg) -> float:
 
 def retrain(cfg, parent, target, overrides: dict, until_s: float, spill: Path):
     """The parent retrained on the window as the online retrain does (the home's ``train.*`` with
-    ``overrides``, validated as config); returns (candidate, steps, train s, training requests)."""
+    ``overrides``, validated as config); returns (candidate as trained, its update fraction, steps,
+    train s, training requests)."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **overrides))
     tc = cfg.train
     data = load_window(data_dir_of(cfg), plan_for(cfg, until_s), tc.train_on_prompt, tc.max_seq_len, spill_dir=spill)
@@ -91,10 +97,16 @@ def retrain(cfg, parent, target, overrides: dict, until_s: float, spill: Path):
         cand = copy.deepcopy(parent)
         t0 = time.monotonic()
         result = train(cand, target.embed_weight, target.lm_head_weight, data.train, **train_kwargs(tc))
-        keep_update_(cand, parent, tc.update_fraction)
-        return round_weights_(cand, torch.bfloat16), result.steps, time.monotonic() - t0, len(data.train)
+        return cand, tc.update_fraction, result.steps, time.monotonic() - t0, len(data.train)
     finally:
         data.close()
+
+
+def at_fraction(trained, parent, fraction: float):
+    """The candidate a retrain registers: ``fraction`` of the change kept, rounded to bf16."""
+    cand = copy.deepcopy(trained)
+    keep_update_(cand, parent, fraction)
+    return round_weights_(cand, torch.bfloat16)
 
 
 def tokens_per_forward(target, drafter, prompts, max_new_tokens: int, cfg) -> ModeResult:
@@ -107,10 +119,28 @@ def tokens_per_forward(target, drafter, prompts, max_new_tokens: int, cfg) -> Mo
     return res
 
 
+def parse_fractions(text: str) -> list[float]:
+    """"1,0.8" -> [1.0, 0.8]; each must be a valid ``train.update_fraction``."""
+    fractions = [float(f) for f in text.split(",") if f.strip()]
+    for f in fractions:
+        dataclasses.replace(TrainConfig(), update_fraction=f)  # ConfigError names the rule
+    return fractions
+
+
+def score(target, parent, prompts, base, drafter, args, cfg) -> tuple[dict, dict]:
+    """(tokens per forward by workload, (ratio over the parent, 90% interval) by workload)."""
+    res = {w: tokens_per_forward(target, drafter, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
+    return res, {w: (res[w].tokens_per_forward / base[w].tokens_per_forward,
+                     ratio_interval(res[w], base[w], "tokens_per_forward")) for w in prompts}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--home", required=True, help="a finished demo's home (<TIDE_HOME>/demo)")
-    ap.add_argument("--variant", action="append", required=True, help="name:key=value,... (train.* overrides)")
+    ap.add_argument("--variant", action="append", default=[], help="name:key=value,... (train.* overrides)")
+    ap.add_argument("--candidate", default=None, help="a drafter already trained on the window (scored, not trained)")
+    ap.add_argument("--fractions", default="", help="update fractions to score each candidate at "
+                                                     "(default: the variant's train.update_fraction; 1 for --candidate)")
     ap.add_argument("--parent", default=None, help="drafter folder (default: the packaged static drafter)")
     ap.add_argument("--until", type=float, default=None, help="window end, unix s (default: the first retrain's)")
     ap.add_argument("--before", default="chat")
@@ -123,35 +153,44 @@ def main() -> int:
         variants = [parse_variant(v) for v in args.variant]
         for _, overrides in variants:
             dataclasses.replace(TrainConfig(), **overrides)
+        fractions = parse_fractions(args.fractions)
     except (ValueError, ConfigError) as exc:
         ap.error(str(exc))
+    if not variants and not args.candidate:
+        ap.error("nothing to score: give --variant and/or --candidate")
     torch.set_num_threads(1)
     home = Path(args.home)
     cfg = load_config(home / "run" / "tide.yaml", env={})
-    until_s = args.until or first_retrain_until(cfg)
     target, tok, _ = load_target(cfg)
     spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
     parent = load_drafter(args.parent or static_drafter_path(cfg), spec)
     prompts = {w: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(w, "heldout", args.prompts, SEEDS[k])]
                for k, w in (("before", args.before), ("after", args.after))}
     base = {w: tokens_per_forward(target, parent, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
-    rows = [("variant", "steps", "train s", *(f"{w} cand/parent (90%)" for w in prompts))]
-    out = {"until_s": until_s, "parent": {w: r.tokens_per_forward for w, r in base.items()}, "variants": {}}
+    rows = [("variant", "fraction", "steps", "train s", *(f"{w} cand/parent (90%)" for w in prompts))]
+    out = {"parent": {w: r.tokens_per_forward for w, r in base.items()}, "variants": {}}
+    trained = []  # (name, drafter as trained, fractions, what the run was)
+    if args.candidate:
+        trained.append(("candidate", load_drafter(Path(args.candidate), spec), fractions or [1.0],
+                        {"folder": args.candidate, "steps": "-", "train_s": "-"}))
+    if variants:
+        out["until_s"] = until_s = args.until or first_retrain_until(cfg)
     for name, overrides in variants:
         spill = Path(cfg.home) / "bench-spill" / name
-        cand, steps, train_s, n_train = retrain(cfg, parent, target, overrides, until_s, spill)
-        res = {w: tokens_per_forward(target, cand, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
-        ratios = {w: (res[w].tokens_per_forward / base[w].tokens_per_forward,
-                      ratio_interval(res[w], base[w], "tokens_per_forward")) for w in prompts}
-        out["variants"][name] = {"overrides": overrides, "steps": steps, "train_s": round(train_s, 1),
-                                 "train_requests": n_train,
-                                 "tokens_per_forward": {w: r.tokens_per_forward for w, r in res.items()},
-                                 "ratio": {w: r for w, (r, _) in ratios.items()},
-                                 "ratio_interval_90": {w: i for w, (_, i) in ratios.items()}}
-        rows.append((name, steps, f"{train_s:.0f}",
-                     *(f"{r:.3f} ({lo:.3f}-{hi:.3f})" for r, (lo, hi) in ratios.values())))
-        print(f"{name}: " + ", ".join(f"{w} {r:.3f}" for w, (r, _) in ratios.items()), flush=True)
-    print_table(f"retrain variants on the window ending {until_s:.0f} (parent: "
+        cand, own, steps, train_s, n_train = retrain(cfg, parent, target, overrides, until_s, spill)
+        trained.append((name, cand, fractions or [own], {"overrides": overrides, "steps": steps,
+                                                         "train_s": round(train_s, 1), "train_requests": n_train}))
+    for name, cand, fracs, info in trained:
+        for f in fracs:
+            res, ratios = score(target, parent, prompts, base, at_fraction(cand, parent, f), args, cfg)
+            out["variants"][f"{name}@{f}"] = {**info, "update_fraction": f,
+                                              "tokens_per_forward": {w: r.tokens_per_forward for w, r in res.items()},
+                                              "ratio": {w: r for w, (r, _) in ratios.items()},
+                                              "ratio_interval_90": {w: i for w, (_, i) in ratios.items()}}
+            rows.append((name, f, info["steps"], f"{info['train_s']}",
+                         *(f"{r:.3f} ({lo:.3f}-{hi:.3f})" for r, (lo, hi) in ratios.values())))
+            print(f"{name} @ {f}: " + ", ".join(f"{w} {r:.3f}" for w, (r, _) in ratios.items()), flush=True)
+    print_table(f"retrain candidates on {home} (parent: "
                 + ", ".join(f"{w} {r.tokens_per_forward:.3f}" for w, r in base.items()) + " tokens/forward)", rows)
     write_json(args.json, out)
     return 0
