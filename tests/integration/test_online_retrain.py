@@ -118,7 +118,8 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     assert tags["tide.vocab_mapping"] == static.tags["tide.vocab_mapping"]  # vocab kept fixed
     metrics = version.metrics
     for key in ("candidate_sim_accept_length", "champion_sim_accept_length", "candidate_heldout_loss",
-                "champion_heldout_loss", "train_tokens_per_s"):
+                "champion_heldout_loss", "train_tokens_per_s", "candidate_replayed_accept_length",
+                "champion_replayed_accept_length"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     assert float(tags["tide.sim_accept_length"]) == pytest.approx(metrics["candidate_sim_accept_length"], abs=1e-4)
     # memory per phase of the retrain (tide/train/memory.py), each within the process peak

@@ -199,21 +199,17 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: tor
 
 
 @torch.no_grad()
-def simulated_acceptance(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.Tensor,
-                         batch: Batch, gamma: int) -> tuple[float, list[float], int]:
-    """Greedy chain acceptance under teacher forcing on generated positions.
+def chain_lengths(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.Tensor,
+                  batch: Batch, gamma: int) -> tuple[Rows, torch.Tensor, torch.Tensor]:
+    """Per position t whose next token is generated: how many of the ``gamma`` drafts from t a
+    greedy verify would accept (drafts 0..i all equal the target's full-vocab argmax).
 
-    At each position t whose next token is generated (mask at step 0), draft i is accepted if
-    drafts 0..i all match the target's argmax (over the full vocab). Returns (mean tokens per
-    target forward = 1 + accepted, per-position acceptance rates, positions counted).
-    """
+    Returns (rows, accepted [n] int64, counted [n] bool: t+1 is generated)."""
     rows = needed_rows(batch.loss_mask, 1)  # the chain only counts from positions t with t+1 generated
-    base = rows.at(batch.loss_mask, 0) > 0
-    n = int(base.sum())
-    if n == 0:
-        return 1.0, [0.0] * gamma, 0
-    chain = base
-    per_pos = []
+    counted = rows.at(batch.loss_mask, 0) > 0
+    chain, accepted = counted.clone(), torch.zeros(counted.shape, dtype=torch.long, device=counted.device)
+    if not bool(counted.any()):
+        return rows, accepted, counted
     for step, logits, _ in unroll(drafter, embed, batch, gamma, rows=rows):
         pred = drafter.draft_to_target[logits.argmax(-1)]
         if batch.target_top is not None:  # precomputed once per sample: the full-vocab head is the cost
@@ -221,5 +217,53 @@ def simulated_acceptance(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_we
         else:
             target_top = F.linear(rows.at(batch.final, step).float(), lm_head_weight.float()).argmax(-1)
         chain = chain & (pred == target_top) & (rows.at(batch.loss_mask, step) > 0)
-        per_pos.append(float(chain.sum()) / n)
+        accepted += chain.long()
+    return rows, accepted, counted
+
+
+def simulated_acceptance(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.Tensor,
+                         batch: Batch, gamma: int) -> tuple[float, list[float], int]:
+    """Greedy chain acceptance under teacher forcing, averaged over every generated position.
+
+    Returns (mean tokens per target forward = 1 + accepted, per-position acceptance rates,
+    positions counted). Decoding starts a step only where the last one ended, so it lands on
+    easy stretches less often than this average does (``replayed_acceptance``)."""
+    return average_chain(*chain_lengths(drafter, embed, lm_head_weight, batch, gamma)[1:], gamma)
+
+
+def average_chain(accepted: torch.Tensor, counted: torch.Tensor, gamma: int) -> tuple[float, list[float], int]:
+    """``simulated_acceptance`` from ``chain_lengths``' output."""
+    n = int(counted.sum())
+    if n == 0:
+        return 1.0, [0.0] * gamma, 0
+    acc = accepted[counted]
+    per_pos = [float((acc > i).sum()) / n for i in range(gamma)]
     return 1.0 + sum(per_pos), per_pos, n
+
+
+def replayed_acceptance(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.Tensor,
+                        batch: Batch, gamma: int, max_tokens: int | None = None) -> tuple[int, int]:
+    """Greedy decoding replayed on the teacher-forced text: from each row's first generated
+    token, a step at t commits its accepted drafts plus the target's token and the next step
+    starts where it ended, as ``tide.spec.generate`` decodes (without a stop rule), until a row
+    has committed ``max_tokens`` (default: to the end of its text).
+
+    Returns (tokens committed, steps) over the batch."""
+    return replay_chains(*chain_lengths(drafter, embed, lm_head_weight, batch, gamma), max_tokens)
+
+
+def replay_chains(rows: Rows, accepted: torch.Tensor, counted: torch.Tensor,
+                  max_tokens: int | None = None) -> tuple[int, int]:
+    """``replayed_acceptance`` from ``chain_lengths``' output."""
+    at: dict[int, dict[int, int]] = {}
+    for b, t, a, ok in zip(rows.b.tolist(), rows.t.tolist(), accepted.tolist(), counted.tolist()):
+        if ok:
+            at.setdefault(b, {})[t] = a
+    tokens = steps = 0
+    for chains in at.values():
+        t, end, made = min(chains), max(chains), 0
+        while t <= end and (max_tokens is None or made < max_tokens):
+            n = chains.get(t, 0) + 1
+            made, steps, t = made + n, steps + 1, t + n
+        tokens += made
+    return tokens, steps

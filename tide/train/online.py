@@ -127,7 +127,8 @@ def plan_for(cfg, until_s: float | None = None) -> WindowPlan:
 
 
 def _eval_metrics(prefix: str, ev) -> dict[str, float]:
-    out = {f"{prefix}_sim_accept_length": ev.accept_length, f"{prefix}_heldout_loss": ev.loss}
+    out = {f"{prefix}_sim_accept_length": ev.accept_length, f"{prefix}_heldout_loss": ev.loss,
+           f"{prefix}_replayed_accept_length": ev.replayed_accept_length}
     out.update({f"{prefix}_accept_rate_pos{i}": r for i, r in enumerate(ev.position_rates)})
     return out
 

@@ -257,7 +257,8 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
     data_s = time.monotonic() - t0
     drafter = build_drafter(target, tokenizer, eos, recipe, samples, home)
     result, before, after = fit(drafter, target, samples, held_samples, recipe, scratch_dir=cache)
-    log.info("static drafter: simulated accept length %.3f -> %.3f", before.accept_length, after.accept_length)
+    log.info("static drafter: simulated accept length %.3f -> %.3f (replayed as decoding steps: %.3f)",
+             before.accept_length, after.accept_length, after.replayed_accept_length)
     confidence = {}
     if recipe.confidence_head:
         embed, head = target.embed_weight, target.lm_head_weight
@@ -274,6 +275,7 @@ def train_static(cfg, recipe: StaticRecipe = StaticRecipe(), out: Path | None = 
         "final_loss": result.loss_curve[-1] if result.loss_curve else None,
         "heldout_sim_accept_length": round(after.accept_length, 4),
         "heldout_position_rates": [round(r, 4) for r in after.position_rates],
+        "heldout_replayed_accept_length": round(after.replayed_accept_length, 4),
         "untrained_sim_accept_length": round(before.accept_length, 4),
         "target": cfg.model.model_id,
         "confidence": confidence,

@@ -26,7 +26,7 @@ from tide.drafter.model import Eagle3Drafter
 from tide.train.device import autocast, seed_all
 from tide.train.distributed import Ranks, from_main, reduce_step, step_groups, wrap
 from tide.train.loader import batch_stream, to_device
-from tide.train.objective import Batch, eagle3_loss, simulated_acceptance, target_top_tokens
+from tide.train.objective import Batch, average_chain, chain_lengths, eagle3_loss, replay_chains, target_top_tokens
 from tide.train.spill import SpilledStates
 
 # steps after which a wall-time cap resizes the schedule to the steps that fit: early (the first
@@ -71,10 +71,13 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class EvalResult:
-    accept_length: float  # simulated tokens per target forward at gamma
+    accept_length: float  # simulated tokens per target forward at gamma, averaged over every position
     position_rates: tuple[float, ...]
     loss: float
     positions: int
+    # the same chains stepped as greedy decoding steps them (no stop rule): what serving sees; the
+    # average above weighs easy stretches more (bench/sim_replay.py)
+    replayed_accept_length: float = 1.0
 
 
 def make_batches(samples: list[Sample], batch_tokens: int, max_len: int) -> list[list[Sample]]:
@@ -272,16 +275,20 @@ def _evaluate(drafter, embed, lm_head, samples, gamma, ttt_length, step_weight, 
               device) -> EvalResult:
     prepare(samples, drafter, lm_head)
     n_total, acc_sum, rate_sums, loss_sum, loss_batches = 0, 0.0, [0.0] * gamma, 0.0, 0
+    replay_tokens, replay_steps = 0, 0
     for group in make_batches(samples, batch_tokens, max_len):
         batch = to_device(collate(group, max_len), device)
-        acc, rates, n = simulated_acceptance(drafter, embed, lm_head, batch, gamma)
+        rows, accepted, counted = chain_lengths(drafter, embed, lm_head, batch, gamma)
+        acc, rates, n = average_chain(accepted, counted, gamma)
+        tokens, steps = replay_chains(rows, accepted, counted)
         loss, _, _ = eagle3_loss(drafter, embed, lm_head, batch, ttt_length or gamma, step_weight)
         n_total += n
         acc_sum += (acc - 1.0) * n
         rate_sums = [r_sum + r * n for r_sum, r in zip(rate_sums, rates)]
+        replay_tokens, replay_steps = replay_tokens + tokens, replay_steps + steps
         loss_sum += float(loss)
         loss_batches += 1
     if n_total == 0:
         return EvalResult(1.0, tuple([0.0] * gamma), float("nan"), 0)
     return EvalResult(1.0 + acc_sum / n_total, tuple(r / n_total for r in rate_sums),
-                      loss_sum / max(1, loss_batches), n_total)
+                      loss_sum / max(1, loss_batches), n_total, replay_tokens / max(1, replay_steps))

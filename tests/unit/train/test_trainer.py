@@ -5,7 +5,7 @@ import copy
 import torch
 
 from tide.spec.generate import generate
-from tide.train.objective import simulated_acceptance
+from tide.train.objective import replayed_acceptance, simulated_acceptance
 from tide.train.offline import generate_samples
 from tide.train.trainer import collate, evaluate, prepare, train
 
@@ -44,6 +44,17 @@ def test_training_raises_simulated_acceptance_and_matches_live_decoding(tiny_tar
     out, stats = generate(tiny_target, drafter, prompt, 24, gamma=3)
     assert out[:len(fed)] == fed
     assert stats.tokens_per_forward > 1.0
+    # stepping the teacher-forced chains as decoding steps them gives decoding's own count, per
+    # prompt (the per-position average is another figure: it weighs easy stretches more)
+    for s in samples[:3]:
+        prompt = s.tokens[s.loss_mask == 0].tolist()
+        out, stats = generate(tiny_target, drafter, prompt, 20, gamma=3)
+        batch = collate([s], 256)
+        tokens, steps = replayed_acceptance(drafter, embed, head, batch, 3, max_tokens=19)
+        assert (tokens, steps) == (sum(stats.accept_lengths), stats.target_forwards)
+    # the evaluation reports the same replay over every held-out sample, beside the per-position average
+    replayed = [replayed_acceptance(drafter, embed, head, collate([s], 256), 3) for s in samples]
+    assert after.replayed_accept_length == sum(t for t, _ in replayed) / sum(n for _, n in replayed) > 1.0
 
 
 def test_wall_time_cap_shrinks_the_schedule_and_stops_annealed(tiny_target, tiny_drafter, monkeypatch):
