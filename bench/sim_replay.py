@@ -72,6 +72,8 @@ def main() -> int:
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.prompts < 1 or args.max_new_tokens < 2 or (args.gamma is not None and args.gamma < 1):
+        ap.error("--prompts and --gamma must be >= 1, --max-new-tokens >= 2 (a decode step follows the first token)")
     cfg = load_config(overrides={"model": {"torch_threads": 1}})
     gamma = args.gamma or cfg.spec.draft_len
     target, tok, _ = load_target(cfg)

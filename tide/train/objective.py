@@ -263,7 +263,10 @@ def replay_chains(rows: Rows, accepted: torch.Tensor, counted: torch.Tensor,
     for chains in at.values():
         t, end, made = min(chains), max(chains), 0
         while t <= end and (max_tokens is None or made < max_tokens):
-            n = chains.get(t, 0) + 1
+            if t not in chains:  # not generated (a gap in the loss mask): decoding never starts a step there
+                t += 1
+                continue
+            n = chains[t] + 1
             made, steps, t = made + n, steps + 1, t + n
         tokens += made
     return tokens, steps

@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from tide.train.objective import Batch, Rows, eagle3_loss, needed_rows, unroll
+from tide.train.objective import Batch, Rows, eagle3_loss, needed_rows, replay_chains, unroll
 
 
 def _batch(target, drafter, seed=0):
@@ -79,3 +79,12 @@ def test_loss_ignores_unmasked_positions(tiny_target, tiny_drafter):
     batch.final[b, t] += 5.0
     moved, _, _ = eagle3_loss(drafter, embed, head, batch, 4)
     assert not torch.allclose(base, moved)
+
+
+def test_replay_steps_from_where_each_step_ended_and_skips_positions_not_generated():
+    """Chains at t = 5, 6, 7 (generated), a gap at 8-9 (say, a user turn), then 10, 11: a step at 5
+    accepting one draft commits 2 tokens, so the next starts at 7, then 8; 8 and 9 are not steps."""
+    rows = Rows(b=torch.zeros(5, dtype=torch.long), t=torch.tensor([5, 6, 7, 10, 11]))
+    accepted = torch.tensor([1, 3, 0, 0, 2])
+    assert replay_chains(rows, accepted, torch.ones(5, dtype=torch.bool)) == (2 + 1 + 1 + 3, 4)
+    assert replay_chains(rows, accepted, torch.ones(5, dtype=torch.bool), max_tokens=3) == (3, 2)
