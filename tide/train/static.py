@@ -118,8 +118,9 @@ SCALED_RECIPE = StaticRecipe(train_prompts=3200, generation_workers=2, precision
 # the packaged drafter's recipe (``make static-drafter``): the scaled recipe grown to the 3 CPU-hour
 # budget: nearly every English chat prompt of the train split answered (the first 3200 are the
 # scaled recipe's, so its cached chunks are reused), and the training half on both cores (two
-# ranks: a step takes one batch per core)
-LARGE_RECIPE = replace(SCALED_RECIPE, train_prompts=5600, train_ranks=2, max_train_s=2000.0)
+# ranks: a step takes one batch per core), in 2048-token batches per rank: a step costs the same per token
+# at any batch size here, and at this cap fewer, larger steps train a better drafter
+LARGE_RECIPE = replace(SCALED_RECIPE, train_prompts=5600, train_ranks=2, max_train_s=2000.0, batch_tokens=2048)
 # ``tide train --static --recipe NAME``
 RECIPES = {"default": LARGE_RECIPE, "large": LARGE_RECIPE, "scaled": SCALED_RECIPE,
            "self-generated": SELF_GENERATED_RECIPE}
