@@ -230,8 +230,10 @@ class TrainConfig:
     anchor: float = 0.0
     # the candidate keeps this fraction of its weights' change from the parent (WiSE-FT): below 1 it
     # gives up a little of the new traffic's gain for much of the old traffic's loss; 1 = as trained.
+    # A stronger parent has more old traffic to lose, so it wants a lower fraction
+    # (bench/retrain_variants.py --fractions scores candidates on a real window).
     # Applied after training, whichever backend trains; static training has no parent to keep
-    update_fraction: float = 0.8
+    update_fraction: float = 0.6
     batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory
     max_seq_len: int = 512
     draft_vocab_size: int = 8192
