@@ -2,8 +2,9 @@
 job): records captured -> Parquet rows -> a retrain -> a new version registered -> promoted by
 the auto-promotion policy (held-out simulated acceptance not below the static drafter's: the quick
 run's margin is 0) and swapped into the engine -> higher acceptance on held-out code in the
-controlled comparison, and live acceptance above 1 for both drafters on the shifted workload; with --keep-up the stack then stays up, its page loaded in headless Chromium shows
-data in every panel (swap and shift marked), and SIGTERM stops it cleanly. (The quick retrain
+controlled comparison, and both drafters' drafts accepted live on the shifted workload (readings
+above 1.05); with --keep-up the stack then stays up, its page loaded in headless Chromium shows data
+in every panel (swap and shift marked), and SIGTERM stops it cleanly. (The quick retrain
 starts at 7.5k captured tokens and trains up to 120 s; figures from these runs are in
 docs/benchmarks.md.)"""
 import json
