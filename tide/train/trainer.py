@@ -6,7 +6,7 @@ Steps:
 2. bucket samples by length into batches of at most ``batch_tokens`` padded tokens;
 3. each epoch: shuffle batch order (seeded), compute ``eagle3_loss`` (TTT unroll), AdamW step
    with linear warm-up + cosine decay and gradient clipping; under a wall-time cap the schedule's
-   horizon shrinks to the steps that fit (measured after 5 and again after 20 steps), so a capped
+   horizon shrinks to the steps that fit (after 5, 20 and 100 steps, at the pace since the last), so a capped
    run still ends annealed instead of being cut at a high learning rate;
 4. evaluate simulated acceptance on held-out samples (if given) and return the curve + metrics.
 The target's embedding and lm_head are frozen inputs; only the drafter's parameters train.
@@ -30,9 +30,10 @@ from tide.train.objective import Batch, average_chain, chain_lengths, eagle3_los
 from tide.train.spill import SpilledStates
 
 # steps after which a wall-time cap resizes the schedule to the steps that fit: early (the first
-# steps include warm-up costs and few batch shapes), then again on a steadier average (a single
-# early estimate over-counts the warm-up and ends a retrain well before its cap)
-CAP_ESTIMATE_STEPS = (5, 20)
+# steps include warm-up costs and few batch shapes), then again at the pace since the previous
+# estimate (an average from the start counts the warm-up in every later step and ends a run
+# well before its cap)
+CAP_ESTIMATE_STEPS = (5, 20, 100)
 # rows per full-vocab projection when precomputing the target's top tokens (a [rows, vocab]
 # float32 block: 96 MiB for SmolLM2's 49k vocab)
 PREPARE_CHUNK_TOKENS = 512
@@ -135,6 +136,14 @@ def prepare(samples: list[Sample], drafter: Eagle3Drafter, lm_head: torch.Tensor
         s.in_vocab = drafter.t2d.cpu()[s.target_top]
 
 
+def steps_that_fit(max_wall_s: float, elapsed_s: float, steps: int, paced: tuple[int, float] | None) -> int:
+    """Steps a run capped at ``max_wall_s`` can take in all, ``steps`` done in ``elapsed_s``: the
+    rest at the pace since ``paced`` (steps, seconds at the previous estimate; None: since the start)."""
+    since_steps, since_s = paced or (0, 0.0)
+    pace_s = (elapsed_s - since_s) / max(1, steps - since_steps)
+    return steps + int(max(0.0, max_wall_s - elapsed_s) / max(pace_s, 1e-9))
+
+
 def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample], *,
           epochs: int, lr: float, batch_tokens: int, max_len: int, ttt_length: int, step_weight: float,
           seed: int = 0, progress: bool = True, max_wall_s: float | None = None,
@@ -165,6 +174,7 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     model = wrap(_Loss(drafter, embed, lm_head, ttt_length, step_weight, feature_weight, ce_weight), ranks,
                  find_unused=ce_weight <= 0)
     result = TrainResult()
+    paced: tuple[int, float] | None = None  # (steps, seconds) at the last cap estimate
     start = time.monotonic()
     drafter.train()
     bar = tqdm(total=horizon[0], desc="train drafter", disable=not progress, unit="step")
@@ -200,7 +210,8 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
                     on_step(result.steps, result.loss_curve[-1])
                 elapsed = time.monotonic() - start
                 if max_wall_s is not None and result.steps in CAP_ESTIMATE_STEPS:
-                    fit = int(max_wall_s / (elapsed / result.steps))
+                    fit = steps_that_fit(max_wall_s, elapsed, result.steps, paced)
+                    paced = (result.steps, elapsed)
                     horizon[0] = from_main(ranks, device, max(min(fit, planned), result.steps + 1))
                     bar.total = horizon[0]
                 if from_main(ranks, device, int(result.steps >= horizon[0] or (

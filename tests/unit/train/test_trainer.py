@@ -7,7 +7,7 @@ import torch
 from tide.spec.generate import generate
 from tide.train.objective import replayed_acceptance, simulated_acceptance
 from tide.train.offline import generate_samples
-from tide.train.trainer import collate, evaluate, prepare, train
+from tide.train.trainer import collate, evaluate, prepare, steps_that_fit, train
 
 
 def _samples(target, n=6, prompt_len=12, new_tokens=24, seed=0):
@@ -84,7 +84,8 @@ def test_wall_time_cap_shrinks_the_schedule_and_stops_annealed(tiny_target, tiny
 
 def test_wall_time_cap_is_re_estimated_once_steps_settle(tiny_target, tiny_drafter, monkeypatch):
     """Slow first steps (2 s, warm-up) then 1 s steps under a 60 s cap: the estimate after 5 steps
-    (30 steps fit) is revised after 20 (25 s spent: 48 fit), so the run uses its cap."""
+    (30 steps fit) is revised after 20 at the pace since (25 s spent, 1 s a step: 55 fit), so the
+    run uses its cap; an average from the start (48 fit) would leave a fifth of it unused."""
     import tide.train.trainer as trainer_mod
 
     readings = iter(range(10**6))
@@ -100,7 +101,13 @@ def test_wall_time_cap_is_re_estimated_once_steps_settle(tiny_target, tiny_draft
                    lr=1e-3, batch_tokens=512, max_len=256, ttt_length=1, step_weight=0.8, progress=False,
                    max_wall_s=60)
     assert 100 * len(trainer_mod.make_batches(samples, 512, 256)) > 60
-    assert 44 <= result.steps <= 50, result.steps
+    assert 53 <= result.steps <= 57, result.steps
+
+
+def test_steps_that_fit_use_the_pace_since_the_last_estimate():
+    assert steps_that_fit(100.0, 20.0, 5, None) == 25  # 4 s a step from the start
+    assert steps_that_fit(100.0, 50.0, 20, (5, 20.0)) == 45  # 2 s a step since: 25 more
+    assert steps_that_fit(100.0, 120.0, 60, (20, 50.0)) == 60  # over the cap: nothing more
 
 
 def test_anchor_keeps_a_warm_start_near_its_parent_and_still_learns(tiny_target, tiny_drafter):
