@@ -28,21 +28,28 @@ from tide.train.static import RECIPES, StaticRecipe, train_static
 
 
 def parse_overrides(pairs: list[str], recipe: StaticRecipe) -> dict:
-    """``key=value`` strings -> recipe fields, each converted to its field's type; unknown keys refused."""
+    """``key=value`` strings -> recipe fields, each converted to its field's type; an unknown field or a
+    value its type does not take is refused with a message naming it."""
     types = {f.name: type(getattr(recipe, f.name)) for f in fields(recipe)}
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or key not in types:
             raise SystemExit(f"not a recipe field override: {pair!r} (fields: {', '.join(sorted(types))})")
-        kind = types[key]
-        if kind is bool:
-            out[key] = value.lower() in ("1", "true", "yes")
-        elif kind is type(None):  # an optional field left unset by the recipe: a number
-            out[key] = float(value)
-        else:
-            out[key] = kind(value)
+        out[key] = _typed(key, value, types[key])
     return out
+
+
+def _typed(key: str, value: str, kind: type):
+    if kind is bool:
+        if value.lower() not in ("true", "false"):
+            raise SystemExit(f"{key} takes true or false, got {value!r}")
+        return value.lower() == "true"
+    try:  # an optional field the recipe leaves unset (None) takes a number
+        return float(value) if kind is type(None) else kind(value)
+    except ValueError:
+        wanted = "an integer" if kind is int else "a number"
+        raise SystemExit(f"{key} takes {wanted}, got {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = load_config(None)
-    recipe = replace(RECIPES[args.recipe], **parse_overrides(args.overrides, RECIPES[args.recipe]))
+    try:  # the recipe checks its own fields when made (precision, ranks, chunk sizes)
+        recipe = replace(RECIPES[args.recipe], **parse_overrides(args.overrides, RECIPES[args.recipe]))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     cache = args.cache or cfg.home_path / "train-cache" / "static"
     if not cache.is_dir():
         raise SystemExit(f"no cached answers at {cache}: run `tide train --static` once (or pass --cache)")
