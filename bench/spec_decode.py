@@ -41,19 +41,19 @@ def timed_generate(target, drafter, ids, n, gamma, stop_prob=0.0, siblings=0):
     return out, stats, time.perf_counter() - t0
 
 
-def single_stream(target, drafters: dict, prompts, n, gamma, stop_prob=0.0):
-    """Per prompt, target-only and each drafter mode ({name: (drafter, siblings)}; order rotated);
+def single_stream(target, drafters: dict, prompts, n, gamma):
+    """Per prompt, target-only and each drafter mode ({name: (drafter, siblings, stop_prob)}; order rotated);
     prefill time is measured separately (a 1-token run) and subtracted. Returns per mode: its
     ``ModeResult``; per drafter mode the acceptance rate by draft position, and a step's drafting and
     verify time in target-only decode forwards."""
-    modes = [(TARGET, (None, 0)), *drafters.items()]
+    modes = [(TARGET, (None, 0, 0.0)), *drafters.items()]
     res = {name: ModeResult() for name, _ in modes}
     pos_accepts = {name: [0] * gamma for name in drafters}
     step_s = {name: [0.0, 0.0] for name in drafters}  # draft, verify seconds over every step
     for i, ids in enumerate(prompts):
         _, _, prefill_s = timed_generate(target, None, ids, 1, gamma)
         outs = {}
-        for name, (d, siblings) in modes[i % len(modes):] + modes[:i % len(modes)]:
+        for name, (d, siblings, stop_prob) in modes[i % len(modes):] + modes[:i % len(modes)]:
             out, stats, s = timed_generate(target, d, ids, n, gamma, stop_prob, siblings)
             outs[name] = out
             res[name].add(tokens=len(out) - 1, decode_s=max(1e-6, s - prefill_s), forwards=stats.target_forwards,
@@ -118,8 +118,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default: config spec.draft_len)")
-    ap.add_argument("--stop-prob", type=float, default=None,
-                    help="stop drafting below this draft probability (default: config spec.draft_stop_prob)")
+    ap.add_argument("--stop-prob", type=float, nargs="+", default=None,
+                    help="stop drafting below this draft probability; several values: a mode per drafter, "
+                         "siblings and value (default: config spec.draft_stop_prob)")
     ap.add_argument("--drafter", action="append", default=None,
                     help="drafter folder; repeat to compare several in one run (default: the static drafter)")
     ap.add_argument("--siblings", type=int, nargs="+", default=None,
@@ -132,21 +133,23 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(overrides={"model": {"torch_threads": args.threads}})
     gamma = args.gamma or cfg.spec.draft_len
-    stop_prob = cfg.spec.draft_stop_prob if args.stop_prob is None else args.stop_prob
+    stops = [cfg.spec.draft_stop_prob] if args.stop_prob is None else args.stop_prob
     target, tok, _ = load_target(cfg)
     paths = [Path(p) for p in args.drafter] if args.drafter else [static_drafter_path(cfg)]
     spec_of_target = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
     # as the engine serves them: linears on the row kernel over bf16 weights (where it runs)
     siblings = args.siblings if args.siblings is not None else [cfg.spec.draft_siblings]
     served = [for_serving(load_drafter(p, spec_of_target)) for p in paths]
-    modes = [(f"{i + 1}:{p.name}" + (f"+{k}sib" if k else ""), p, d, k)
-             for i, (p, d) in enumerate(zip(paths, served)) for k in siblings]
+    modes = [(f"{i + 1}:{p.name}" + (f"+{k}sib" if k else "") + (f"@stop{q:g}" if len(stops) > 1 else ""), p, d, k, q)
+             for i, (p, d) in enumerate(zip(paths, served)) for k in siblings for q in stops]
     names = [name for name, *_ in modes]
-    drafters = {name: (d, k) for name, _, d, k in modes}
+    drafters = {name: (d, k, q) for name, _, d, k, q in modes}
     held = workloads.load_workload(args.workload, "heldout", args.prompts, seed=1)
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
-    res, rates, costs = single_stream(target, drafters, prompts, args.max_new_tokens, gamma, stop_prob)
-    per = {name: drafter_summary(name, p, res, rates[name], costs[name]) | {"siblings": k} for name, p, _, k in modes}
+    res, rates, costs = single_stream(target, drafters, prompts, args.max_new_tokens, gamma)
+    per = {name: drafter_summary(name, p, res, rates[name], costs[name]) | {"siblings": k, "stop_prob": q}
+           for name, p, _, k, q in modes}
+    stop_prob = stops[0]  # the batched comparison's and the summary's (the first mode's)
     first = per[names[0]]
     summary = {"workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob,
                "target_tok_s": res[TARGET].tokens_per_s, **first, "drafters": per}
