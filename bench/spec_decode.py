@@ -1,16 +1,16 @@
 """Target-only vs speculative decoding, side by side in one run, on held-out prompts.
 
-For each held-out prompt (never trained on), every mode (target-only, then one per ``--drafter``
-and ``--siblings`` value) decodes the same number of tokens, the order of modes rotating per prompt so drift in machine load
+For each held-out prompt (never trained on), every mode (target-only, then one per ``--drafter``,
+``--siblings`` and ``--stop-prob`` value) decodes the same number of tokens, the order of modes rotating per prompt so drift in machine load
 hits all alike. Reports per drafter: tokens committed per target forward, per-position acceptance,
 decode tokens/s and the ratio to target-only (prefill excluded), a step's drafting and verify time
 in target-only decode forwards, each ratio with a 90% paired-bootstrap
 interval over prompts; with two or more drafter modes, each one's ratios to the first. ``--batch B``
 repeats the comparison through the batched reference engine with B concurrent requests (first
-drafter).
+drafter, first stop value).
 
     python -m bench.spec_decode [--prompts 16] [--max-new-tokens 64] [--drafter DIR ...] [--siblings 0 1 2]
-                                [--json out.json]
+                                [--stop-prob 0.3 0.1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -134,11 +134,17 @@ def main() -> int:
     cfg = load_config(overrides={"model": {"torch_threads": args.threads}})
     gamma = args.gamma or cfg.spec.draft_len
     stops = [cfg.spec.draft_stop_prob] if args.stop_prob is None else args.stop_prob
+    siblings = args.siblings if args.siblings is not None else [cfg.spec.draft_siblings]
+    if not all(0.0 <= q <= 1.0 for q in stops):
+        ap.error(f"--stop-prob values must be in [0, 1], got {stops}")
+    if len(set(stops)) < len(stops) or len(set(siblings)) < len(siblings):
+        ap.error("--stop-prob and --siblings values must be distinct (each names a mode)")
+    if any(k < 0 for k in siblings):
+        ap.error(f"--siblings values must be >= 0, got {siblings}")
     target, tok, _ = load_target(cfg)
     paths = [Path(p) for p in args.drafter] if args.drafter else [static_drafter_path(cfg)]
     spec_of_target = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
     # as the engine serves them: linears on the row kernel over bf16 weights (where it runs)
-    siblings = args.siblings if args.siblings is not None else [cfg.spec.draft_siblings]
     served = [for_serving(load_drafter(p, spec_of_target)) for p in paths]
     modes = [(f"{i + 1}:{p.name}" + (f"+{k}sib" if k else "") + (f"@stop{q:g}" if len(stops) > 1 else ""), p, d, k, q)
              for i, (p, d) in enumerate(zip(paths, served)) for k in siblings for q in stops]
@@ -154,7 +160,7 @@ def main() -> int:
     summary = {"workload": args.workload, "prompts": len(prompts), "gamma": gamma, "stop_prob": stop_prob,
                "target_tok_s": res[TARGET].tokens_per_s, **first, "drafters": per}
     rows = [("metric", "value"), ("prompts (held-out)", len(prompts)), ("draft length (max)", gamma),
-            ("draft stop probability", stop_prob), ("target-only decode tok/s", f"{res[TARGET].tokens_per_s:.2f}")]
+            ("draft stop probability", " ".join(f"{q:g}" for q in stops)), ("target-only decode tok/s", f"{res[TARGET].tokens_per_s:.2f}")]
     for name in names:
         rows += drafter_rows(name, per[name], len(prompts))
     for name in names[1:]:  # side by side: each drafter over the first, same prompts
