@@ -43,7 +43,7 @@ if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
   fi
 fi
 # Prometheus (Debian package): `tide up` runs it as the local dashboard, and the unit tests run
-# promtool over tide/assets/dashboards/. Without it the stack runs with the dashboard off.
+# promtool over dashboards/. Without it the stack runs with the dashboard off.
 # TIDE_SKIP_PROMETHEUS=1 skips it (the service image: production has its own Prometheus).
 if [ "${TIDE_SKIP_PROMETHEUS:-0}" != 1 ] && { ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; }; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -335,7 +335,7 @@ def _versions(stack: Stack) -> list[dict]:
 
 def _dashboard(stack: Stack, window_s: float) -> dict:
     """What the operator's dashboard showed: acceptance length by drafter version, as recorded by
-    the stack's Prometheus over the run (``tide/assets/dashboards/prometheus-rules.yml``)."""
+    the stack's Prometheus over the run (``dashboards/prometheus-rules.yml``)."""
     base = stack.endpoints.get("prometheus")
     if base is None:
         return {"prometheus": stack.endpoints.get("dashboard", "off")}

@@ -1,6 +1,6 @@
 """Every Prometheus metric TIDE exports, defined once.
 
-Dashboards (tide/assets/dashboards/) and Kubernetes manifests (k8s/) reference these names; grep here first.
+Dashboards (dashboards/) and Kubernetes manifests (k8s/) reference these names; grep here first.
 Sections are owned by components; add new metrics to your component's section.
 Naming: ``tide_<component>_<what>_<unit>``; counters end in ``_total``.
 """

@@ -1,15 +1,16 @@
 """The local stack's Prometheus: its scrape config, the dashboard's link, and reading it back.
 
 ``tide up`` starts the Debian package's ``prometheus`` binary (when installed) scraping the engine,
-ingest and scheduler every few seconds and evaluating ``tide/assets/dashboards/prometheus-rules.yml``, the
-same rules a production Prometheus loads; the Grafana dashboard (``tide/assets/dashboards/tide.json``) plots
-the same recorded series. The demo reads the acceptance length per drafter version back from it,
-which is what an operator's dashboard shows.
+ingest and scheduler every few seconds and evaluating ``dashboards/prometheus-rules.yml`` (packaged as
+``tide.dashboards``), the same rules a production Prometheus loads; the Grafana dashboard
+(``dashboards/tide.json``) plots the same recorded series. The demo reads the acceptance length per
+drafter version back from it, which is what an operator's dashboard shows.
 """
 from __future__ import annotations
 
 import shutil
 import urllib.parse
+from importlib import resources
 from pathlib import Path
 
 import httpx
@@ -17,8 +18,9 @@ import yaml
 
 from tide.process import ServiceProcess, free_port
 
-# package data: a plain file inside the installed package (Prometheus reads it by path)
-RULES_PATH = Path(__file__).resolve().parent / "assets" / "dashboards" / "prometheus-rules.yml"
+# package data (the repository's dashboards/): a plain file inside the installed package, which
+# Prometheus reads by path
+RULES_PATH = Path(str(resources.files("tide.dashboards").joinpath("prometheus-rules.yml")))
 # recorded by RULES_PATH: tokens per target forward, 1-minute rate, by drafter_version
 ACCEPT_SERIES = "tide:engine_accept_length_tokens:mean1m"
 

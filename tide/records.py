@@ -2,7 +2,7 @@
 
 A request's record is split by positions into chunks; each chunk is a complete ``Record`` covering
 positions ``[position_start, position_start + num_tokens)`` of the request, and travels as one
-Kafka message. The value encoding (written down in ``tide/assets/schemas/record_value.schema.json``; a test
+Kafka message. The value encoding (written down in ``schemas/record_value.schema.json``; a test
 keeps the two equal) is:
 
     magic b"TIDR" | u16 schema_version | u32 header_len | header (UTF-8 JSON)

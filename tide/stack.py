@@ -8,7 +8,7 @@ Start order (each waits healthy before the next; stop is the reverse):
 4. ingest: Kafka → Parquet dataset;
 5. scheduler: launches retrains when enough new samples arrived;
 6. Prometheus (when the ``prometheus`` binary is installed; scripts/install.sh installs it):
-   scrapes the three services and evaluates ``tide/assets/dashboards/prometheus-rules.yml``;
+   scrapes the three services and evaluates ``dashboards/prometheus-rules.yml``;
 7. the page (``tide/services/page.py``): the loop on one local HTML page, read from that
    Prometheus, the scheduler and the registry.
 Engine, MLflow, Prometheus and the page listen on fixed default ports (``DEFAULT_PORTS``), each

@@ -4,11 +4,13 @@ Builds the wheel, installs it into a new virtual environment under the test's tm
 a working directory outside the repository (no PYTHONPATH) runs ``tide up``: every service reports
 healthy, the engine answers a completion over HTTP, and ``tide drafters list --json`` reads the
 stack's registry. Any file the stack needs that the wheel lacks (a service module, the broker
-launcher, the Prometheus rules, the static drafter, the row kernel's C source) fails here.
+launcher, the Prometheus rules, the static drafter, the row kernel's C source) fails here. The
+top-level schemas/ and dashboards/ (one copy in git) are in the wheel as tide.schemas and
+tide.dashboards, byte for byte, and the installed code reads them there (importlib.resources).
 
-The wheel is built from a copy of the files it is made of (pyproject.toml, README.md, tide/):
-setuptools builds in-tree through ``build/lib``, which keeps files deleted from the source and
-would put them in the wheel.
+The wheel is built from a copy of the files it is made of (pyproject.toml, README.md, tide/,
+schemas/, dashboards/): setuptools builds in-tree through ``build/lib``, which keeps files deleted
+from the source and would put them in the wheel.
 
 Dependencies: the venv is bare (no system site-packages). ``uv`` installs the wheel with the
 dependencies it declares, resolved afresh but pinned to the base environment's versions (a
@@ -79,7 +81,8 @@ def venv(tmp_path_factory) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    shutil.copytree(REPO / "tide", src / "tide", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+    for folder in ("tide", "schemas", "dashboards"):  # the last two: pyproject.toml's package-dir
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
     dist = tmp / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(dist), str(src)], check=True, cwd=tmp, timeout=600)
@@ -139,6 +142,25 @@ def _tcp_accepts(address: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
+def _check_packaged_data(py: Path, work: Path, env: dict[str, str]) -> None:
+    """The wheel carries schemas/ and dashboards/ as tide.schemas and tide.dashboards, byte for byte,
+    and the installed code reads them there: the rules Prometheus loads and the schemas the tests
+    check the records against."""
+    script = ("import json, tide.prometheus; from importlib import resources; print(json.dumps("
+              "{p: {f.name: str(f) for f in resources.files(p).iterdir() if f.is_file() and f.suffix != '.pyc'} "
+              "for p in ('tide.schemas', 'tide.dashboards')} | {'rules': str(tide.prometheus.RULES_PATH)}))")
+    out = subprocess.run([str(py), "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    site = Path(found["rules"]).parents[1]  # <site-packages>/tide
+    assert Path(found["rules"]) == site / "dashboards" / "prometheus-rules.yml"
+    for package, folder in (("tide.schemas", "schemas"), ("tide.dashboards", "dashboards")):
+        want = {p.name: p.read_bytes() for p in (REPO / folder).iterdir() if p.is_file() and p.suffix != ".pyc"}
+        got = {name: Path(path).read_bytes() for name, path in found[package].items()}
+        assert got == want, (package, sorted(got), sorted(want))
+        assert all(Path(p).parent == site / folder for p in found[package].values()), found[package]
+
+
 def test_wheel_in_a_fresh_venv_runs_the_stack(venv, tmp_path):
     py, tide_exe = venv / "bin" / "python", venv / "bin" / "tide"
     home, work = tmp_path / "home", tmp_path / "cwd"
@@ -160,6 +182,7 @@ def test_wheel_in_a_fresh_venv_runs_the_stack(venv, tmp_path):
     for path in json.loads(where.stdout):
         assert Path(path).resolve().is_relative_to(venv.resolve()), path
         assert Path(path).exists(), path
+    _check_packaged_data(py, work, env)
 
     proc = subprocess.Popen([str(tide_exe), "--home", str(home), "up", *stack_port_flags()], cwd=work, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

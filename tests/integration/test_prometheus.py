@@ -1,6 +1,6 @@
 """The local stack's Prometheus (real binary from the Debian package) scrapes a real /metrics
 endpoint exporting TIDE's metrics and records acceptance length by drafter version with the rules
-in tide/assets/dashboards/, which is what `tide up` shows as its dashboard and the demo reads back."""
+in dashboards/ (packaged as tide.dashboards), which is what `tide up` shows as its dashboard and the demo reads back."""
 import time
 
 import httpx

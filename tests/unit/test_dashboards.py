@@ -1,4 +1,4 @@
-"""tide/assets/dashboards/ (package data): every metric the Grafana dashboard and the Prometheus rules name is one TIDE
+"""dashboards/ (package data, tide.dashboards): every metric the Grafana dashboard and the Prometheus rules name is one TIDE
 exports (tide/metrics.py), every query parses, and the rules compute what they claim
 (``promtool test rules`` over synthetic series). promtool comes with the prometheus Debian
 package that scripts/install.sh installs."""

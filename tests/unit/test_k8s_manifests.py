@@ -291,22 +291,27 @@ def _tide_home() -> str:
     return re.search(r"TIDE_HOME=(\S+)", (K8S / "Dockerfile").read_text().split("AS runtime")[1]).group(1)
 
 
+def assert_restricted(name: str, pod: dict) -> None:
+    """``pod`` (a pod spec) meets the restricted Pod Security Standard, with a read-only root."""
+    psc = pod.get("securityContext") or {}
+    assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), name
+    assert {k for v in pod.get("volumes", []) for k in v if k != "name"} <= PSS_VOLUMES, name
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc = c.get("securityContext") or {}
+        where = f"{name}/{c['name']}"
+        assert sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True, where
+        assert sc.get("runAsUser", psc.get("runAsUser", 1)) != 0, where
+        assert sc.get("allowPrivilegeEscalation") is False and not sc.get("privileged"), where
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+        assert set(sc.get("capabilities", {}).get("add") or []) <= {"NET_BIND_SERVICE"}, where
+        seccomp = sc.get("seccompProfile") or psc.get("seccompProfile") or {}
+        assert seccomp.get("type") in ("RuntimeDefault", "Localhost"), where
+        assert sc.get("readOnlyRootFilesystem") is True, where
+
+
 def test_every_pod_meets_the_restricted_pod_security_standard(tmp_path):
     for name, pod in _pods(tmp_path).items():
-        psc = pod.get("securityContext") or {}
-        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), name
-        assert {k for v in pod.get("volumes", []) for k in v if k != "name"} <= PSS_VOLUMES, name
-        for c in pod["containers"] + pod.get("initContainers", []):
-            sc = c.get("securityContext") or {}
-            where = f"{name}/{c['name']}"
-            assert sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True, where
-            assert sc.get("runAsUser", psc.get("runAsUser", 1)) != 0, where
-            assert sc.get("allowPrivilegeEscalation") is False and not sc.get("privileged"), where
-            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
-            assert set(sc.get("capabilities", {}).get("add") or []) <= {"NET_BIND_SERVICE"}, where
-            seccomp = sc.get("seccompProfile") or psc.get("seccompProfile") or {}
-            assert seccomp.get("type") in ("RuntimeDefault", "Localhost"), where
-            assert sc.get("readOnlyRootFilesystem") is True, where
+        assert_restricted(name, pod)
 
 
 def _writable(pod: dict, container: dict) -> set[str]:

@@ -11,7 +11,7 @@ import torch
 from tide import contracts, records
 from tide.records import Record, RecordError, decode, encode, hidden_to_float32, split
 
-SCHEMA_FILE = resources.files("tide").joinpath("assets/schemas/record_value.schema.json")  # package data
+SCHEMA_FILE = resources.files("tide.schemas").joinpath("record_value.schema.json")  # package data: schemas/
 
 
 def make_record(t: int = 7, h: int = 16, dtype: str = "bfloat16", seed: int = 0) -> Record:

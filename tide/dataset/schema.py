@@ -1,6 +1,6 @@
 """Parquet layout of the dataset: one row per record chunk, and where each file lives.
 
-Written down for other tools in ``tide/assets/schemas/parquet.schema.json`` (a test keeps the two equal).
+Written down for other tools in ``schemas/parquet.schema.json`` (packaged as ``tide.schemas``) (a test keeps the two equal).
 
 Layout: ``<data_dir>/target_model=<quoted id>/date=YYYY-MM-DD/hour=HH/<file>`` where the date and
 hour are the UTC capture time (``finished_at_s``) and ``<file>`` is

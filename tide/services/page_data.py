@@ -1,6 +1,6 @@
 """What the page shows, gathered server-side: one ``Panel`` per source, never an exception.
 
-Sources: the stack's Prometheus (the recording rules of ``tide/assets/dashboards/prometheus-rules.yml``
+Sources: the stack's Prometheus (the recording rules of ``dashboards/prometheus-rules.yml``
 and the expressions of ``tide.json``, so the page and the Grafana dashboard agree), the scheduler's
 ``/health`` and state file (retrain state and history), the MLflow registry (versions, aliases),
 and the marks file under ``<home>/run`` where the demo notes the workload shift (Prometheus has

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 
 from tide.dataset.schema import PARQUET_SCHEMA, FileName, Row, partition_dir, row_to_record, rows_to_table
 
-SCHEMA_FILE = resources.files("tide").joinpath("assets/schemas/parquet.schema.json")  # package data
+SCHEMA_FILE = resources.files("tide.schemas").joinpath("parquet.schema.json")  # package data: schemas/
 
 
 def test_schema_file_matches_code():
