@@ -20,6 +20,9 @@ connection and adds, with :class:`ConnectionLimits` holding the server-wide side
 - every close lingers: our side is shut (FIN), what the client still sends is read and dropped
   for at most ``LINGER_S``, then the socket closes. Closing with unread bytes makes the kernel
   reset the connection, and the client can lose the answer (413, 408, 503) before reading it.
+  At most ``LINGER_MAX_BYTES`` are dropped, then reading stops until the socket closes: a client
+  streaming a refused body on regardless gets no more read than that (nor its sender's rate
+  times ``LINGER_S``); past that budget the reset comes as it would without lingering.
 
 Only the parser knows where a head ends, so the ASGI side (tide/engine/http_guard.py) tells the
 connection when its request started and when its response ended, through the handle it finds in
@@ -47,6 +50,8 @@ EVICT_AFTER_S = 0.01
 IDLE_EVICT_AFTER_S = 1.0
 # how long a refused or closed connection is read and dropped before its socket closes
 LINGER_S = 2.0
+# how much of what a closed connection's client still sends is read and dropped, at most
+LINGER_MAX_BYTES = 65_536
 
 
 def raw_response(status: int, body: dict[str, Any], headers: dict[str, str]) -> bytes:
@@ -129,6 +134,10 @@ class _Transport:
     def is_closing(self) -> bool:
         return self._conn.closing or self._transport.is_closing()
 
+    def resume_reading(self) -> None:
+        if not self._conn.closing:  # lingering: the connection decides what is still read
+            self._transport.resume_reading()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
@@ -146,6 +155,7 @@ class GuardedConnection(asyncio.Protocol):
         self.closing = False
         self.awaiting_head = False
         self.head_bytes = 0
+        self.dropped_bytes = 0  # read and dropped while lingering
         self._timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
@@ -161,7 +171,10 @@ class GuardedConnection(asyncio.Protocol):
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:  # lingering: read and drop
+        if self.closing:  # lingering: read and drop, up to the budget
+            self.dropped_bytes += len(data)
+            if self.dropped_bytes >= LINGER_MAX_BYTES:
+                self.transport.pause_reading()
             return
         if self.awaiting_head:
             self.head_bytes += len(data)

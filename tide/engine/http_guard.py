@@ -6,7 +6,8 @@ They sit at the ASGI level, before FastAPI reads anything, because that is the o
   body parameter before it runs the route's dependencies);
 - the body cap holds while the body streams: a declared Content-Length over the cap is refused
   before one byte is read, and a chunked (or under-declared) body is refused with 413 as soon as
-  the bytes received pass the cap; the rest is never read (the connection closes, lingering);
+  the bytes received pass the cap; the rest is not read (the connection closes, and drops at
+  most ``LINGER_MAX_BYTES`` of it while it lingers: tide/engine/http_conn.py);
 - the body must arrive within ``body_timeout_s`` of its head, else 408 (a client trickling its
   body holds no more than that);
 - the connection (tide/engine/http_conn.py) learns that its request head came and when its

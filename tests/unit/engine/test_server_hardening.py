@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from typing import Any, Iterator
 
@@ -16,6 +17,7 @@ import pytest
 from fake_engine import TOKEN, FakeEngine
 
 from tide.config import EngineConfig, ServerConfig
+from tide.engine.generation import TOKENIZE_THREADS
 from tide.engine.server import HttpServer, build_app
 from tide.ops.control_api import control_plane
 from tide.ops.follower import OpsError
@@ -280,37 +282,44 @@ def test_non_streaming_request_is_cancelled_when_the_client_leaves(url: str, fak
     assert wait_until(lambda: httpx.get(url + "/health").json()["inflight_requests"] == 0)
 
 
-class SlowTokenizerEngine(FakeEngine):
-    """FakeEngine whose tokenizer takes 2 s per prompt, as a very long prompt would."""
+class HeldTokenizerEngine(FakeEngine):
+    """FakeEngine whose tokenizer holds every prompt until ``release`` is set, as very long prompts
+    would; ``tokenizing`` counts the prompts it holds."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.release = threading.Event()
+        self.tokenizing = 0
+        count_lock = threading.Lock()
         encode = self.tokenizer.encode
 
-        def slow_encode(text: str, **kwargs: Any) -> list[int]:
-            time.sleep(2.0)
+        def held_encode(text: str, **kwargs: Any) -> list[int]:
+            with count_lock:
+                self.tokenizing += 1
+            self.release.wait(60.0)  # bounded: a failing test still ends
             return encode(text, **kwargs)
 
-        self.tokenizer.encode = slow_encode
+        self.tokenizer.encode = held_encode
 
 
 def test_health_answers_during_a_flood_of_slow_tokenization() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    server = HttpServer(build_app(SlowTokenizerEngine(), ServerConfig(max_inflight_requests=100), ENGINE_CFG),
+    engine = HeldTokenizerEngine()
+    server = HttpServer(build_app(engine, ServerConfig(max_inflight_requests=100), ENGINE_CFG),
                         "127.0.0.1", 0, grace_s=1, log_level="warning")
     base = f"http://127.0.0.1:{server.start()}"
+    pool = ThreadPoolExecutor(42)  # more than the shared thread pool's 40 threads
     try:
-        pool = ThreadPoolExecutor(42)  # more than the shared thread pool's 40 threads
         client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=100))
         for _ in range(42):
             pool.submit(client.post, base + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        time.sleep(0.5)
-        t0 = time.perf_counter()
-        assert httpx.get(base + "/health", timeout=30).status_code == 200
-        assert httpx.get(base + "/metrics", timeout=30).status_code == 200
-        waited_s = time.perf_counter() - t0
-        pool.shutdown(wait=False, cancel_futures=True)  # the flood ends with the server
-        assert waited_s < 0.5, waited_s
+        # every tokenizing thread is held, and held until the end: an answer queued behind them
+        # would come only then, so these time out instead
+        assert wait_until(lambda: engine.tokenizing >= TOKENIZE_THREADS, timeout_s=30.0)
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        assert httpx.get(base + "/metrics", timeout=10).status_code == 200
     finally:
+        engine.release.set()
+        pool.shutdown(wait=False, cancel_futures=True)  # the flood ends with the server
         server.stop()
