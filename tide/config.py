@@ -163,6 +163,14 @@ class CaptureConfig:
     reconnect_backoff_s: float = 2.0
     request_idle_timeout_s: float = 300.0  # a request with no step for this long is abandoned
     max_open_requests: int = 1024
+    # SGLang only: this share of captured requests bypasses the prefix cache (a cache salt of their
+    # own) so their whole prompt is captured; prefix-cache hits are otherwise never captured, which
+    # biases the dataset away from shared prompts (docs/design/sglang.md). Costs their prefill.
+    full_capture_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.full_capture_fraction <= 1.0:
+            raise ConfigError(f"capture.full_capture_fraction must be in [0, 1], got {self.full_capture_fraction}")
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,7 @@ class TrainConfig:
     # requests whose id hashes below this are held out for evaluation, never trained on
     heldout_fraction: float = 0.1
     heldout_max_samples: int = 64  # newest held-out requests of the window that are evaluated
-    min_heldout_samples: int = 2  # topped up from the window's lowest hashes when fewer
+    min_heldout_samples: int = 2  # topped up from older held-out requests (newest first) when fewer
     min_samples: int = 16  # fewer recent training requests -> "nothing to do"
     # cap on recent training tokens (newest first; replay comes on top); 0 = none. With the
     # default replay ratio (1.0) a retrain sees up to ~80k tokens; 8 passes over that exceed
@@ -317,6 +325,8 @@ class OpsConfig:
     # the candidate must reproduce target-only greedy output on this prompt before it may serve
     smoke_prompt: str = "Hello! Write one short sentence about the sea."
     refeed_positions: int = 32  # on a swap, the new drafter re-reads this many recent positions
+    # a swap the engine has not applied by then is reported not applied (and asked for again)
+    swap_apply_timeout_s: float = 30.0
     guard_enabled: bool = True
     guard_interval_s: float = 5.0
     # tokens per target forward below which the serving version collapsed; a broken drafter sits

@@ -26,6 +26,9 @@ RETRAIN_REGISTERED = "registered"  # a challenger version was registered
 RETRAIN_NOTHING_TO_DO = "nothing_to_do"  # not enough readable data: no version, not a failure
 RETRAIN_FAILED = "failed"
 RETRAIN_SUCCESS_STATUSES = (RETRAIN_REGISTERED, RETRAIN_NOTHING_TO_DO)
+# result key: the newest dataset-index created_at_s the retrain listed before reading (every file
+# indexed up to it was read); on success the scheduler's watermark moves there. Also in the summary.
+RESULT_DATA_WATERMARK = "data_watermark_s"
 
 # --- how a launched retrain job ended (scheduler state, metrics label ``outcome``) ---
 JOB_SUCCEEDED = "succeeded"

@@ -95,7 +95,8 @@ def test_too_few_samples_is_nothing_to_do(tmp_path, tiny_setup):
     assert payload["status"] == NOTHING_TO_DO and payload["version"] is None
     assert "need 8" in payload["reason"]
     # what a Kubernetes Job leaves in its termination message for the scheduler
-    assert json.loads(summary.read_text()) == {k: payload[k] for k in ("status", "version", "run_id", "reason")}
+    assert json.loads(summary.read_text()) == {k: payload[k] for k in ("status", "version", "run_id", "reason",
+                                                                   "data_watermark_s")}
     assert run_cli(load_config(config), str(result), summary_json=str(tmp_path)) == 0  # unwritable: still 0
     assert Registry.from_config(load_config(config)).list_versions(include_incomplete=True) == []
 

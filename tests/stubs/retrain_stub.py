@@ -11,6 +11,10 @@ start (so a test can change what the next launch does while the scheduler keeps 
   fail     sleep, write status "failed", exit 3
   noresult sleep, exit 0 without a result file
   hang     start a grandchild in the same process group, ignore SIGTERM, sleep forever
+With ``--data-dir`` it reads the dataset index first, as the real job plans its window, and a
+successful result reports the newest ``created_at_s`` it saw (``RESULT_DATA_WATERMARK``). A control
+``gate`` folder makes that moment a test's choice: the stub waits for ``<gate>/read`` before
+reading, writes ``<gate>/was_read`` after, and waits for ``<gate>/finish`` before it ends.
 Every start appends one JSON line (pid, job id, time, argv) to ``--launches``: the tests count
 real launches from there, independently of the scheduler's own bookkeeping. ``kill_stubs`` is
 the tests' cleanup.
@@ -19,9 +23,47 @@ import argparse
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+
+RESULT_DATA_WATERMARK = "data_watermark_s"  # tide.contracts' key (stdlib only here; a mismatch fails the tests)
+GATE_TIMEOUT_S = 60.0  # a test that never opens a gate fails this job instead of hanging it
+
+
+def _wait_for(path: str) -> None:
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gate {path} never opened")
+        time.sleep(0.02)
+
+
+def read_watermark(data_dir: str) -> float | None:
+    """The newest created_at_s in the dataset index (None without a readable one), as the job reads it."""
+    path = os.path.join(data_dir, "index.sqlite")
+    if not os.path.exists(path):
+        return None
+    try:
+        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True, timeout=30.0)
+        try:
+            return db.execute("SELECT MAX(created_at_s) FROM files").fetchone()[0]
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+
+
+def _read_dataset(data_dir: str | None, gate: str | None) -> float | None:
+    if gate:
+        _wait_for(os.path.join(gate, "read"))
+    watermark = read_watermark(data_dir) if data_dir else None
+    if gate:
+        with open(os.path.join(gate, "was_read"), "w") as f:
+            json.dump({RESULT_DATA_WATERMARK: watermark}, f)
+        _wait_for(os.path.join(gate, "finish"))
+    return watermark
 
 
 def main() -> int:
@@ -32,12 +74,14 @@ def main() -> int:
     p.add_argument("--control")
     p.add_argument("--mode", default="ok")
     p.add_argument("--sleep-s", type=float, default=0.0)
+    p.add_argument("--data-dir")
     args = p.parse_args()
-    mode, sleep_s = args.mode, args.sleep_s
+    mode, sleep_s, gate = args.mode, args.sleep_s, None
     if args.control and os.path.exists(args.control):
         with open(args.control) as f:
             control = json.load(f)
         mode, sleep_s = control.get("mode", mode), float(control.get("sleep_s", sleep_s))
+        gate = control.get("gate")
     grandchild = None
     if mode == "hang":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -52,6 +96,7 @@ def main() -> int:
     if mode == "hang":
         while True:
             time.sleep(1)
+    watermark = _read_dataset(args.data_dir, gate)
     time.sleep(sleep_s)
     status = {"ok": "registered", "nothing": "nothing_to_do", "fail": "failed"}.get(mode)
     if status is not None:
@@ -59,7 +104,9 @@ def main() -> int:
         with open(tmp, "w") as f:
             json.dump({"status": status, "version": "7" if status == "registered" else None,
                        "run_id": "run-abc" if status == "registered" else None,
-                       "metrics": {"acceptance_length": 2.5}}, f)
+                       "metrics": {"acceptance_length": 2.5},
+                       # like the job: a failure reports no watermark
+                       RESULT_DATA_WATERMARK: None if status == "failed" else watermark}, f)
         os.replace(tmp, args.result_json)
     return 3 if mode == "fail" else 0
 

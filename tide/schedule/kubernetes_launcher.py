@@ -9,8 +9,9 @@ the manifest and the status rules are tested without a cluster. The Job:
 - lands on the training pool through node selector and tolerations, asks for
   ``k8s_gpu_count`` of ``k8s_gpu_resource`` (``nvidia.com/gpu``, ``amd.com/gpu``, ...);
 - carries labels that let a restarted scheduler (or one whose state file was lost) find it;
-- writes its summary (status, version, run id, reason) to its termination message, which the
-  scheduler reads from the pod's status once the Job has finished (``summary_from_pods``);
+- writes its summary (status, version, run id, reason, the dataset watermark it read) to its
+  termination message, which the scheduler reads from the pod's status once the Job has finished
+  (``summary_from_pods``) and records as the outcome's result;
 - meets the Pod Security Standard "restricted": non-root (the image's uid 10001), no privilege
   escalation, every capability dropped, seccomp RuntimeDefault, a read-only root filesystem with
   an emptyDir for each folder the retrain writes (``WRITABLE``: /tmp, the work and registry-cache

@@ -2,8 +2,10 @@
 
 The retrain command (``tide train --online ... --result-json PATH``) exits 0 when it registered a
 version or found nothing to do, non-zero on failure, and writes a JSON object with ``status``
-(tide.contracts RETRAIN_*), ``version``, ``run_id`` and ``metrics``. A job counts as
+(tide.contracts RETRAIN_*), ``version``, ``run_id``, ``metrics`` and the dataset watermark it read
+(``RESULT_DATA_WATERMARK``; the scheduler's watermark moves there on success). A job counts as
 succeeded only when both agree: exit code 0 (where the launcher can know it) and a success status.
+Every launcher hands that object (or, for a Job, its summary with the same keys) back as ``Outcome.result``.
 A launcher's handle is a JSON-serialisable dict, so the scheduler can persist it in its state file
 and a restarted scheduler can poll or kill a job it did not start.
 """

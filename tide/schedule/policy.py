@@ -10,13 +10,17 @@ A retrain launches when all hold, checked in this order (the first that fails is
 
 "Arrived since" uses the index's ``created_at_s`` (when ingest made the file durable), not the
 capture time: late data still counts, and the watermark comes from the index itself, so the
-scheduler's clock never has to agree with ingest's.
+scheduler's clock never has to agree with ingest's. A successful retrain moves the watermark to
+the newest ``created_at_s`` it reports to have read (``watermark_after_success``), not to the
+newest at its launch: files sealed while it started up were trained on and are not new again.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
+from tide.contracts import RESULT_DATA_WATERMARK
 from tide.schedule.state import SchedulerState
 
 SAMPLE_UNITS = ("tokens", "generated_tokens", "requests", "rows")
@@ -71,6 +75,16 @@ def decide(state: SchedulerState, new_samples: int, now_s: float, cfg: Any) -> D
 def watermark_of(state: SchedulerState) -> float | None:
     """Files created after this were not yet seen by a successful retrain (None = all files)."""
     return state.last_success.watermark_s if state.last_success is not None else None
+
+
+def watermark_after_success(previous_s: float | None, launched_s: float | None,
+                            result: Mapping[str, Any]) -> float | None:
+    """The watermark after a successful retrain: what it reports to have read, never below
+    ``previous_s``; a job that reports nothing keeps the old rule (the newest file at launch)."""
+    read_s = result.get(RESULT_DATA_WATERMARK)
+    if isinstance(read_s, bool) or not isinstance(read_s, (int, float)) or not math.isfinite(read_s):
+        return launched_s
+    return float(read_s) if previous_s is None else max(previous_s, float(read_s))
 
 
 def count_new_samples(index: Any, watermark_s: float | None, unit: str,

@@ -3,7 +3,8 @@
 One tick, inside the state file's lock (``StateStore.transaction``):
 1. if a retrain is recorded as running: poll it through its launcher; past its deadline, kill it
    (timed_out); once it has ended, record the outcome (success resets the failure streak and
-   advances the data watermark; failure or timeout extends the streak, which sets the backoff);
+   moves the data watermark to what the job reports to have read; failure or timeout extends the
+   streak, which sets the backoff, and leaves the watermark where it was);
    a "launching" record without a handle (scheduler died mid-launch) is resolved by job id;
 2. on the first tick of this process, with nothing recorded as running: ask the launcher for jobs
    it can find without the state file (local: processes carrying this state file's marker;
@@ -28,7 +29,15 @@ from tide.contracts import JOB_CANCELLED, JOB_FAILED, JOB_SUCCEEDED, JOB_TIMED_O
 from tide.schedule.kubernetes_launcher import KubernetesLauncher, job_env
 from tide.schedule.launcher import JobSpec, Launcher, Outcome
 from tide.schedule.local_launcher import LocalLauncher
-from tide.schedule.policy import Decision, check_config, count_new_samples, decide, newest_created_s, watermark_of
+from tide.schedule.policy import (
+    Decision,
+    check_config,
+    count_new_samples,
+    decide,
+    newest_created_s,
+    watermark_after_success,
+    watermark_of,
+)
 from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateStore
 
 log = logging.getLogger(__name__)
@@ -121,9 +130,11 @@ class RetrainScheduler:
         job = state.running
         assert job is not None
         result = outcome.result or {}
+        watermark = (watermark_after_success(watermark_of(state), job.watermark_s, result)
+                     if outcome.succeeded else job.watermark_s)
         record = FinishedJob(
             job.job_id, job.launcher, job.started_at_s, now, outcome.status, outcome.reason,
-            job.watermark_s, job.new_samples, outcome.exit_code,
+            watermark, job.new_samples, outcome.exit_code,
             version=None if result.get("version") is None else str(result["version"]),
             run_id=None if result.get("run_id") is None else str(result["run_id"]))
         state.running = None
@@ -134,7 +145,7 @@ class RetrainScheduler:
             state.last_success = record
             state.consecutive_failures = 0
             state.last_failure_at_s = None
-            log.info("retrain %s succeeded (%s)", job.job_id, outcome.reason)
+            log.info("retrain %s succeeded (%s); data watermark %s", job.job_id, outcome.reason, watermark)
         else:
             state.consecutive_failures += 1
             state.last_failure_at_s = now

@@ -34,8 +34,8 @@ class RunningJob:
     launcher: str
     started_at_s: float
     deadline_s: float
-    # created_at_s of the newest indexed file at launch: data up to here counts as used once
-    # this job succeeds (None = the whole dataset)
+    # created_at_s of the newest indexed file at launch: where the watermark moves if this job
+    # succeeds without reporting what it read (None = the whole dataset)
     watermark_s: float | None
     new_samples: int
     handle: dict | None = None  # None = launch in progress (or interrupted)
@@ -49,6 +49,7 @@ class FinishedJob:
     finished_at_s: float
     status: str  # succeeded | failed | timed_out
     reason: str
+    # a success: the data watermark after it (the newest created_at_s the job read); else as launched
     watermark_s: float | None = None
     new_samples: int = 0
     exit_code: int | None = None

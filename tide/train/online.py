@@ -19,7 +19,7 @@ Steps of ``run_retrain``:
 7. save the candidate, log the folder with its digest, register a version tagged with its
    lineage and both acceptance lengths, alias ``challenger`` (``Registry.register``: a killed job
    leaves no registered version), close the run.
-The result (status, version, run id, metrics) goes to ``--result-json`` for the scheduler.
+The result (status, version, run id, metrics, the dataset watermark read) goes to ``--result-json``.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from pathlib import Path
 from tide.contracts import (
     CHALLENGER,
     CHAMPION,
+    RESULT_DATA_WATERMARK,
     RETRAIN_FAILED,
     RETRAIN_NOTHING_TO_DO,
     RETRAIN_REGISTERED,
@@ -79,14 +80,17 @@ class RetrainResult:
     run_id: str | None = None
     metrics: dict = field(default_factory=dict)
     reason: str = ""
+    data_watermark_s: float | None = None  # set when the dataset was read (plan_window)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data[RESULT_DATA_WATERMARK] = data.pop("data_watermark_s")
+        return data
 
     def summary(self) -> dict:
         """What the scheduler records, small enough for a Kubernetes termination message (4 KiB)."""
         return {"status": self.status, "version": self.version, "run_id": self.run_id,
-                "reason": self.reason[:1000]}
+                "reason": self.reason[:1000], RESULT_DATA_WATERMARK: self.data_watermark_s}
 
 
 def data_dir_of(cfg) -> Path:
@@ -171,11 +175,11 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
     if short:
         log.info("retrain: nothing to do: %s", short)
         announce(None, None)
-        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short)
+        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_watermark_s=plan.data_watermark_s)
     inputs = _load_inputs(cfg, registry, plan, memory)
     short = _too_few(cfg.train, len(inputs.data.train), len(inputs.data.heldout), "readable")
     if short:
-        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short)
+        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_watermark_s=plan.data_watermark_s)
 
     code = code_version()
     run = registry.start_run(f"retrain-from-{inputs.parent}", {TAG_KIND: "retrain", TAG_PARENT: inputs.parent})
@@ -196,8 +200,8 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
         shutil.rmtree(work, ignore_errors=True)
         inputs.data.close()
     log.info("retrain: registered %s version %d as %s", registry.model_name, info.version, CHALLENGER)
-    return RetrainResult(RETRAIN_REGISTERED, version=info.version, run_id=run.run_id,
-                         metrics={**summary, **trained.metrics, "auto_promotion": _auto_promote(registry, cfg)})
+    metrics = {**summary, **trained.metrics, "auto_promotion": _auto_promote(registry, cfg)}
+    return RetrainResult(RETRAIN_REGISTERED, info.version, run.run_id, metrics, data_watermark_s=plan.data_watermark_s)
 
 
 def _too_few(tc, train: int, heldout: int, what: str) -> str:

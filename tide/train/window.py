@@ -3,13 +3,16 @@
 ``plan_window`` decides which captured requests train and which evaluate, reading only small
 columns (ids, times, token counts; never hidden states):
 1. list the dataset's files for the target model (from its index) and catalog every request whose
-   chunks are all present: capture time, tokens, generated tokens, files holding it;
+   chunks are all present: capture time, tokens, generated tokens, files holding it; the index's
+   newest ``created_at_s``, read just before, is what the retrain reports as read (the
+   scheduler's watermark: files created after it count as new);
 2. the recent window = the newest ``window_samples`` requests, else those captured within
    ``window_s`` of the newest one, else everything;
-3. held out = requests whose id hashes below ``heldout_fraction`` (a fixed partition of the
-   whole dataset, so a held-out request is never trained on by any retrain); if the window has
-   fewer than ``min_heldout_samples`` of them, the window's lowest-hash requests top it up;
-   the newest ``heldout_max_samples`` of the window's held-out requests are evaluated;
+3. held out = requests whose id hashes below ``heldout_fraction`` (``is_heldout``: a fixed
+   partition of the whole dataset, so a held-out request is never trained on by any retrain);
+   if the window has fewer than ``min_heldout_samples`` of them, the newest held-out requests
+   before the window top it up (never a training request: that would leak between retrains);
+   the newest ``heldout_max_samples`` of them are evaluated;
 4. recent training requests = the rest of the window, newest first up to ``max_train_tokens``;
 5. replay = ``replay_ratio`` x that many requests drawn from older, not-held-out requests by a
    seeded hash, a few files at a time (``_replay_sample``: loading them reads a bounded number
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from tide.dataset.index import INDEX_NAME, DatasetIndex
 from tide.dataset.reader import DatasetReader
 from tide.dataset.reader import Sample as DatasetSample
 from tide.train.spill import StateFile
@@ -49,6 +54,11 @@ def unit_hash(key: str, salt: str) -> float:
 def heldout_score(request_id: str) -> float:
     """Requests scoring below ``heldout_fraction`` are held out everywhere, in every retrain."""
     return unit_hash(request_id, "tide-heldout")
+
+
+def is_heldout(request_id: str, heldout_fraction: float) -> bool:
+    """The one rule: a property of the request id alone, never of the window it falls in."""
+    return heldout_score(request_id) < heldout_fraction
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,8 @@ class WindowPlan:
     heldout_tokens: int
     heldout_generated: int
     files: dict[str, list[Path]] = field(default_factory=dict, repr=False)
+    # newest index created_at_s when the dataset was listed (None: no readable index)
+    data_watermark_s: float | None = None
 
     @property
     def train_ids(self) -> list[str]:
@@ -122,6 +134,7 @@ class WindowPlan:
             "heldout_requests": len(self.heldout), "heldout_in_window": self.heldout_in_window,
             "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
             "heldout_tokens": self.heldout_tokens, "heldout_generated_tokens": self.heldout_generated,
+            "data_watermark_s": self.data_watermark_s,
         }
 
 
@@ -134,6 +147,21 @@ def _list_sums(column) -> list[int]:
     values = arr.values.to_numpy(zero_copy_only=False).astype(np.int64)
     cumulative = np.concatenate(([0], np.cumsum(values)))
     return (cumulative[offsets[1:]] - cumulative[offsets[:-1]]).tolist()
+
+
+def index_watermark_s(data_dir: Path) -> float | None:
+    """The newest ``created_at_s`` in the dataset index, None without a readable one. Read before
+    the files are listed, so that every file indexed up to it is among those read."""
+    if not (data_dir / INDEX_NAME).exists():
+        return None
+    try:
+        index = DatasetIndex(data_dir, read_only=True)
+        try:
+            return max((f.created_at_s for f in index.files()), default=None)
+        finally:
+            index.close()
+    except sqlite3.Error:  # the catalog then lists files without the index: nothing to report
+        return None
 
 
 def catalog(data_dir: Path, target_model: str | None = None, until_s: float | None = None
@@ -169,6 +197,8 @@ def catalog(data_dir: Path, target_model: str | None = None, until_s: float | No
 
 def plan_window(data_dir: str | Path, spec: WindowSpec) -> WindowPlan:
     """Choose recent, replay and held-out requests (steps in the module docstring)."""
+    # before the catalog lists the files; a capture-time bound (until_s) leaves newer files unread
+    watermark_s = index_watermark_s(Path(data_dir)) if spec.until_s is None else None
     entries = catalog(Path(data_dir), spec.target_model, spec.until_s)
     if spec.window_samples > 0:
         start = max(0, len(entries) - spec.window_samples)
@@ -178,15 +208,14 @@ def plan_window(data_dir: str | Path, spec: WindowSpec) -> WindowPlan:
     else:
         start = 0
     older, window = entries[:start], entries[start:]
-    held = {e.request_id for e in window if heldout_score(e.request_id) < spec.heldout_fraction}
-    in_window = len(held)
-    if len(held) < spec.min_heldout_samples:
-        by_score = sorted((e for e in window if e.request_id not in held),
-                          key=lambda e: heldout_score(e.request_id))
-        # never hold out so much that fewer training requests than held-out ones remain
-        room = max(0, min(spec.min_heldout_samples - len(held), len(window) // 2 - len(held)))
-        held |= {e.request_id for e in by_score[:room]}
+    held = {e.request_id for e in entries if is_heldout(e.request_id, spec.heldout_fraction)}
     held_entries = [e for e in window if e.request_id in held]
+    in_window = len(held_entries)
+    if in_window < spec.min_heldout_samples:
+        # top up with the newest older held-out requests: still held out in every retrain
+        older_held = [e for e in older if e.request_id in held]
+        take = min(len(older_held), spec.min_heldout_samples - in_window)
+        held_entries = older_held[len(older_held) - take:] + held_entries
     evaluated = held_entries[-spec.heldout_max_samples:] if spec.heldout_max_samples > 0 else []
 
     def cost(e: RequestEntry) -> int:
@@ -201,7 +230,7 @@ def plan_window(data_dir: str | Path, spec: WindowSpec) -> WindowPlan:
         recent.append(e)
         recent_tokens += cost(e)
     recent.reverse()
-    pool = [e for e in older if heldout_score(e.request_id) >= spec.heldout_fraction]
+    pool = [e for e in older if e.request_id not in held]
     n_replay = min(len(pool), int(math.floor(spec.replay_ratio * len(recent) + 0.5)))
     replay = _replay_sample(pool, n_replay, spec.seed)
     chosen = {"recent": recent, "replay": replay, "heldout": evaluated}
@@ -214,7 +243,8 @@ def plan_window(data_dir: str | Path, spec: WindowSpec) -> WindowPlan:
         recent_tokens=recent_tokens, replay_tokens=sum(cost(e) for e in replay),
         heldout_tokens=sum(cost(e) for e in evaluated),
         heldout_generated=sum(e.generated for e in evaluated),
-        files={role: sorted({p for e in group for p in e.files}) for role, group in chosen.items()})
+        files={role: sorted({p for e in group for p in e.files}) for role, group in chosen.items()},
+        data_watermark_s=watermark_s)
 
 
 def _replay_sample(pool: list[RequestEntry], n: int, seed: int) -> list[RequestEntry]:

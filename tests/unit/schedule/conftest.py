@@ -26,10 +26,18 @@ class Kit:
 
     def command(self) -> tuple[str, ...]:
         return (sys.executable, str(STUB), "--launches", str(self.launches),
-                "--control", str(self.control))
+                "--control", str(self.control), "--data-dir", str(self.index.data_dir))
 
-    def set_control(self, mode: str, sleep_s: float = 0.0) -> None:
-        self.control.write_text(json.dumps({"mode": mode, "sleep_s": sleep_s}))
+    def set_control(self, mode: str, sleep_s: float = 0.0, gate: str | None = None) -> Path | None:
+        """What the next launches do; with ``gate`` (a folder name), they read the dataset when the
+        test creates ``<gate>/read`` and end when it creates ``<gate>/finish`` (see the stub)."""
+        folder = None
+        if gate is not None:
+            folder = self.tmp / gate
+            folder.mkdir()
+        self.control.write_text(json.dumps({"mode": mode, "sleep_s": sleep_s,
+                                            "gate": None if folder is None else str(folder)}))
+        return folder
 
     def launched(self) -> list[dict]:
         if not self.launches.exists():

@@ -1,7 +1,15 @@
 """Trigger policy: gates in order, exponential backoff, new-sample counting from the real index."""
 import pytest
 
-from tide.schedule.policy import backoff_delay_s, count_new_samples, decide, newest_created_s, watermark_of
+from tide.contracts import RESULT_DATA_WATERMARK
+from tide.schedule.policy import (
+    backoff_delay_s,
+    count_new_samples,
+    decide,
+    newest_created_s,
+    watermark_after_success,
+    watermark_of,
+)
 from tide.schedule.state import FinishedJob, RunningJob, SchedulerState
 
 
@@ -68,6 +76,15 @@ def test_watermark_advances_to_newest_indexed_file(kit):
     assert newest_created_s(kit.index, 250.0) == 250.0  # nothing newer: unchanged
     assert watermark_of(SchedulerState()) is None
     assert watermark_of(SchedulerState(last_success=_success(5.0, watermark_s=250.0))) == 250.0
+
+
+def test_watermark_after_success_is_what_the_job_read():
+    assert watermark_after_success(10.0, 20.0, {RESULT_DATA_WATERMARK: 35.0}) == 35.0  # read after launch
+    assert watermark_after_success(None, 20.0, {RESULT_DATA_WATERMARK: 35.0}) == 35.0
+    assert watermark_after_success(40.0, 40.0, {RESULT_DATA_WATERMARK: 30.0}) == 40.0  # never backwards
+    for silent in ({}, {RESULT_DATA_WATERMARK: None}, {RESULT_DATA_WATERMARK: "x"},
+                   {RESULT_DATA_WATERMARK: float("nan")}, {RESULT_DATA_WATERMARK: True}):
+        assert watermark_after_success(10.0, 20.0, silent) == 20.0  # no report: the newest file at launch
 
 
 def test_bad_config_is_named(kit):

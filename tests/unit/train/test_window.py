@@ -65,12 +65,53 @@ def test_time_window_token_cap_and_until(dataset):
     assert early.catalog_requests == 50 and early.window_end_s == T0 + 49
 
 
-def test_heldout_topped_up_when_hash_finds_too_few(dataset):
+def test_heldout_topped_up_from_older_heldout_requests(dataset):
     data_dir, _, _ = dataset
-    plan = plan_window(data_dir, WindowSpec(window_samples=6, heldout_fraction=0.0, min_heldout_samples=2,
+    plan = plan_window(data_dir, WindowSpec(window_samples=6, heldout_fraction=0.1, min_heldout_samples=4,
                                             target_model="org/m"))
-    assert len(plan.heldout) == 2 and plan.heldout_in_window == 0 and len(plan.recent) == 4
-    assert not set(plan.heldout) & set(plan.recent)
+    assert plan.heldout_in_window == 2 and len(plan.heldout) == 4 and len(plan.recent) == 4
+    assert all(heldout_score(r) < 0.1 for r in plan.heldout)  # the top-up holds out no training request
+    older_held = [f"code-{i:06d}" for i in range(54) if heldout_score(f"code-{i:06d}") < 0.1]
+    assert plan.heldout[:2] == older_held[-2:]  # the newest ones before the window
+    none = plan_window(data_dir, WindowSpec(window_samples=6, heldout_fraction=0.0, target_model="org/m"))
+    assert none.heldout == [] and len(none.recent) == 6  # nothing held out: the job has nothing to do
+
+
+def _ids(prefix: str, n: int, held_at: set[int], fraction: float) -> list[str]:
+    """``n`` request ids whose hash holds out exactly those at positions ``held_at``."""
+    out, i = [], 0
+    while len(out) < n:
+        rid, i = f"{prefix}-{i:05d}", i + 1
+        if (heldout_score(rid) < fraction) == (len(out) in held_at):
+            out.append(rid)
+    return out
+
+
+def test_heldout_never_trained_across_retrains(tmp_path):
+    """Three retrains on a growing dataset, each choosing its data as the job does (``plan_for``):
+    no request is held out by one of them and trained on (window or replay) by any."""
+    from tide.config import load_config
+    from tide.train.online import plan_for
+
+    data_dir = tmp_path / "dataset"
+    cfg = load_config(env={}, overrides={"home": str(tmp_path / "home"), "model": {"model_id": "org/m"}, "train": {
+        "data_dir": str(data_dir), "window_samples": 10, "window_s": 0, "heldout_fraction": 0.1,
+        "min_heldout_samples": 2,
+        # every older training request is replayed: one held out by an earlier retrain would be trained on
+        "replay_ratio": 2.0}})
+    # each window of 10 has one request held out by its id: fewer than min_heldout_samples
+    batches = [_ids("b0", 16, {1, 4, 12}, 0.1), _ids("b1", 10, {4}, 0.1), _ids("b2", 10, {6}, 0.1)]
+    trained, held, offset = set(), set(), 0
+    for k, ids in enumerate(batches):
+        log_samples(data_dir, make_samples(len(ids), 10 + k, length=12), [4] * len(ids), target_model_id="org/m",
+                    aux_layer_ids=(1, 2, 3), start_s=T0 + 1000 * k, first_offset=offset, rows_per_file=8,
+                    request_ids=ids)
+        offset += 10 * len(ids)
+        plan = plan_for(cfg)
+        assert len(plan.heldout) >= 2 and len(plan.recent) >= 8  # each one trains and evaluates
+        trained |= set(plan.train_ids)
+        held |= set(plan.heldout)
+    assert not trained & held, sorted(trained & held)
 
 
 def test_load_window_joins_chunks_and_keeps_values(dataset):
