@@ -38,6 +38,10 @@ ENGINE_DRAFTER_INFO = Gauge("tide_engine_drafter_info", "1 for the drafter versi
 ENGINE_DRAFTER_LOADS = Counter(
     "tide_engine_drafter_loads_total", "Drafter loads inside the engine process (SGLang's TIDE loader), by outcome",
     ["outcome"])
+ENGINE_SWAP_FAILURES = Counter(
+    "tide_engine_swap_failures_total", "Drafter swaps the decode loop could not apply (the old drafter kept serving)")
+ENGINE_FAILED = Gauge(
+    "tide_engine_failed", "1 once the decode loop has died: the engine serves no more (health answers 503)")
 ENGINE_SWAP_PAUSE_SECONDS = Histogram(
     "tide_engine_swap_pause_seconds", "Time the decode loop spent applying one drafter swap",
     buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1))
@@ -101,6 +105,12 @@ CAPTURE_OPEN_REQUESTS = Gauge("tide_capture_open_requests",
 CAPTURE_BROKER_UP = Gauge("tide_capture_broker_connected", "1 while the producer has a broker")
 CAPTURE_WORKER_RESTARTS = Counter("tide_capture_worker_restarts_total",
                                   "Capture worker processes that exited unasked and were restarted")
+CAPTURE_PREFIX_CACHED_POSITIONS = Counter(
+    "tide_capture_prefix_cached_positions_total", "Positions of sampled requests left out of capture because "
+    "SGLang's prefix cache served the start of their prompt (prompt positions + committed output tokens)")
+CAPTURE_RANK_UNKNOWN = Counter(
+    "tide_capture_rank_unknown_total", "SGLang scheduler processes started without capture because their "
+    "parallel rank could not be read (capturing on every rank would duplicate records)")
 # what the capture worker process counts; it reports them to the engine process, which serves them
 CAPTURE_WORKER_COUNTERS = (CAPTURE_DROPPED_RECORDS, CAPTURE_PRODUCED_RECORDS, CAPTURE_PRODUCED_MESSAGES,
                            CAPTURE_PRODUCED_BYTES, CAPTURE_PRODUCED_TOKENS, CAPTURE_PRODUCE_ERRORS)
@@ -163,7 +173,7 @@ SCHED_TICKS = Counter("tide_scheduler_ticks_total", "Policy evaluations, by deci
                       ["decision"])  # launch | running | cooldown | backoff | not_enough | error
 
 # --- ops (swap watcher, collapse guard, promote/rollback) --------------------------------------
-OPS_SWAPS = Counter("tide_ops_swap_checks_total", "Champion checks by outcome (swapped/refused/error)",
+OPS_SWAPS = Counter("tide_ops_swap_checks_total", "Champion checks by outcome (swapped/refused/not_applied/error)",
                     ["outcome"])
 OPS_ROLLBACKS = Counter("tide_ops_rollbacks_total", "Rollbacks by cause (operator/collapse)", ["cause"])
 OPS_COLLAPSE_ALERT = Gauge("tide_ops_collapse_alert", "1 while the collapse guard has fired for the serving drafter")

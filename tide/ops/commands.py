@@ -4,7 +4,8 @@ Verbs: ``list``, ``show V``, ``promote V``, ``rollback``, ``diff V W``, ``histor
 the registry directly (MLflow from ``registry.*`` config), so they work with no engine running;
 every promote/rollback is recorded there (who, when, from, to, why). With ``--engine URL`` (and
 ``--token``, default ``server.control_token``) the engine is asked to check its alias at once
-after a promote or rollback, and ``list``/``show`` add the engine's live acceptance.
+after a promote or rollback, and ``list``/``show`` add the engine's live acceptance and the version
+it actually serves (which differs from ``champion`` while it has not applied a swap).
 
 ``promote`` first downloads the version (checksum verified) and loads it against the current
 champion's shapes and vocab mapping, so a version no engine could serve is refused before the
@@ -82,6 +83,16 @@ def _live(engine) -> dict[str, float]:
         return {}
 
 
+def _served(engine) -> str | None:
+    if engine is None:
+        return None
+    try:
+        return engine.serving()
+    except Exception as exc:  # noqa: BLE001 - the registry view is still useful
+        print(f"warning: no served version from {engine.url}: {exc}", file=sys.stderr)
+        return None
+
+
 def _actor(args: argparse.Namespace) -> str:
     return args.actor or f"cli:{getpass.getuser()}"
 
@@ -89,14 +100,17 @@ def _actor(args: argparse.Namespace) -> str:
 def _list(args, registry, engine) -> int:
     from tide.ops import inventory
 
-    live = _live(engine)
-    records = [inventory.version_record(v, live) for v in registry.list_versions()]
+    live, served = _live(engine), _served(engine)
+    records = [inventory.version_record(v, live, served) for v in registry.list_versions()]
     if args.json:
         print(json.dumps(records, indent=1))
-    elif not records:
+        return 0
+    if not records:
         print(f"{registry.model_name}: no versions registered at {registry.shown_uri}")
     else:
         print(inventory.versions_table(records))
+    if served is not None:
+        print(f"engine {engine.url} serves drafter {served}")
     return 0
 
 
@@ -104,12 +118,12 @@ def _show(args, registry, engine) -> int:
     from tide.ops import inventory
 
     info = registry.get_version(args.version)
-    live = _live(engine)
+    live, served = _live(engine), _served(engine)
     if args.json:
-        print(json.dumps({**inventory.version_record(info, live), "tags": dict(info.tags),
+        print(json.dumps({**inventory.version_record(info, live, served), "tags": dict(info.tags),
                           "metrics": dict(info.metrics), "params": dict(info.params)}, indent=1))
     else:
-        print(inventory.show_text(info, live, registry.operations()))
+        print(inventory.show_text(info, live, registry.operations(), served))
     return 0
 
 

@@ -22,9 +22,10 @@ the watcher's ``swap_lock`` guards what serves and what is refused and is held o
 The guard takes only the swap lock. ``promote`` validates the version on this engine before the
 alias moves, so an operator cannot point ``champion`` at a drafter this engine would refuse.
 State (``health``/``state``): ``connecting``, ``registry unreachable``, ``following`` (serving
-the followed version) or ``refused`` (the alias points at a version this engine refused; it
+the followed version), ``refused`` (the alias points at a version this engine refused; it
 serves the one it had, ``tide_ops_followed_version_refused`` is 1): a refused version is the
-registry's content, not an outage.
+registry's content, not an outage; or ``not applied`` (the engine did not apply the swap to the
+followed version in time; it serves the one it had, ``serving`` says which, and each poll asks again).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class DrafterFollower:
         self._bootstrap_path = bootstrap_path
         self._swap_lock = threading.RLock()
         self.watcher = SwapWatcher(engine, self._resolve, smoke_prompt_ids or DEFAULT_SMOKE_IDS,
-                                   cfg.poll_interval_s, swap_lock=self._swap_lock)
+                                   cfg.poll_interval_s, swap_lock=self._swap_lock,
+                                   apply_timeout_s=cfg.swap_apply_timeout_s)
         self.guard = CollapseGuard(engine, self._guard_rollback, cfg.guard_floor, cfg.guard_min_ratio,
                                    cfg.guard_window_forwards) if cfg.guard_enabled else None
         self.last_check: SwapOutcome | None = None
@@ -336,7 +338,8 @@ class DrafterFollower:
         except RegistryError as exc:
             raise OpsError(503, str(exc)) from exc
         return {"serving": self.engine.drafter_version, "follow_alias": self.cfg.follow_alias,
-                "live_accept_length": live, "versions": [version_record(v, live) for v in versions]}
+                "live_accept_length": live,
+                "versions": [version_record(v, live, self.engine.drafter_version) for v in versions]}
 
     def operations(self) -> list[dict]:
         try:
@@ -350,7 +353,8 @@ class DrafterFollower:
             return "registry unreachable" if self.last_error else "connecting"
         if not self.connected:
             return "registry unreachable"
-        return "refused" if self.last_check is not None and self.last_check.status == "refused" else "following"
+        status = self.last_check.status if self.last_check is not None else None
+        return {"refused": "refused", "not_applied": "not applied"}.get(status, "following")
 
     def health(self) -> dict:
         previous, since = self.watcher.previous, self._registry_call_since

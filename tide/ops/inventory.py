@@ -2,8 +2,10 @@
 
 A version's record joins what the registry knows (aliases, lineage, data window, simulated
 acceptance on its retrain's held-out slice, rollback marks) with what an engine measured live
-(mean tokens committed per target forward, by drafter version label). Live numbers come from
-the engine's own counters in-process, or from its ``/metrics`` page over HTTP for the CLI.
+(mean tokens committed per target forward, by drafter version label) and whether that engine
+serves it. Live numbers come from the engine's own counters in-process, or from its ``/metrics``
+page over HTTP for the CLI; the served version from the engine itself (its ``/health`` for the
+CLI), never from the alias it was asked to follow.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def _utc(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts)) if ts else "-"
 
 
-def version_record(info: VersionInfo, live: Mapping[str, float] | None = None) -> dict:
-    """One version as a JSON-ready dict."""
+def version_record(info: VersionInfo, live: Mapping[str, float] | None = None, serving: str | None = None) -> dict:
+    """One version as a JSON-ready dict; ``serving``: the version an engine serves (None: no engine asked)."""
     start, end = _float(info.tags.get(TAG_WINDOW_START)), _float(info.tags.get(TAG_WINDOW_END))
     return {"version": info.version, "aliases": list(info.aliases), "kind": info.kind,
             "parent": info.parent_version or None, "created_at_s": info.created_at_s,
@@ -40,6 +42,7 @@ def version_record(info: VersionInfo, live: Mapping[str, float] | None = None) -
             "parent_sim_accept_length": _float(info.tags.get(TAG_PARENT_SIM_ACCEPT)),
             "live_accept_length": (live or {}).get(str(info.version)),
             "rolled_back": info.tags.get(TAG_ROLLED_BACK) or None,
+            "served_by_engine": None if serving is None else serving == str(info.version),
             "run_id": info.run_id, "checksum": info.checksum, "description": info.description}
 
 
@@ -80,14 +83,21 @@ def versions_table(records: list[dict]) -> str:
         rows.append((str(r["version"]), ",".join(r["aliases"]) or "-", r["kind"] or "-", r["parent"] or "-",
                      f"{_utc(window[0])} .. {_utc(window[1])}" if window else "-",
                      _num(r["sim_accept_length"]), _num(r["parent_sim_accept_length"]),
-                     _num(r["live_accept_length"]), "rolled back" if r["rolled_back"] else ""))
+                     _num(r["live_accept_length"]), _notes(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def show_text(info: VersionInfo, live: Mapping[str, float] | None, operations: list[dict]) -> str:
+def _notes(record: dict) -> str:
+    notes = ("served by engine" if record.get("served_by_engine") else "",
+             "rolled back" if record["rolled_back"] else "")
+    return ", ".join(n for n in notes if n)
+
+
+def show_text(info: VersionInfo, live: Mapping[str, float] | None, operations: list[dict],
+              serving: str | None = None) -> str:
     """Everything about one version: record, tags, run metrics and params, its operations."""
-    rec = version_record(info, live)
+    rec = version_record(info, live, serving)
     lines = [f"version {info.version} of {info.name}"]
     lines += [f"  {k}: {v}" for k, v in rec.items() if k != "version" and v not in (None, "", [])]
     lines.append(f"  source: {info.source}")
@@ -148,6 +158,14 @@ class EngineClient:
             raise RuntimeError(f"engine {self.url}: POST /control/check answered {resp.status_code}: "
                                f"{resp.text[:300]}")
         return resp.json()
+
+    def serving(self) -> str:
+        """The drafter version the engine serves now, as its unauthenticated /health reports it."""
+        resp = httpx.get(f"{self.url}/health", timeout=self.timeout_s)
+        version = resp.json().get("drafter_version")
+        if version is None:  # a failed engine answers 503 without it
+            raise RuntimeError(f"engine {self.url}: /health answered {resp.status_code}: {resp.text[:300]}")
+        return str(version)
 
     def live_acceptance(self) -> dict[str, float]:
         resp = httpx.get(f"{self.url}/metrics", timeout=self.timeout_s)

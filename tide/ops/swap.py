@@ -14,6 +14,10 @@
 Anything a candidate raises while validated refuses that version (it is never retried, and the
 registry is not blamed): the old drafter keeps serving, and the refusal is logged once and counted
 (``tide_ops_swap_checks_total{outcome="refused"}``).
+A swap the engine has not applied ``apply_timeout_s`` after it was asked (a stalled decode loop, a
+swap the engine could not allocate) is ``not_applied``, counted under that outcome: ``previous`` stays
+what it was and the version is not refused, so the next check asks again; if the engine applies the
+asked swap later, that check reports it ``swapped`` and records ``previous`` then.
 The registry is reached only through the ``resolve`` callable, so this module has no MLflow code,
 and the engine only through its contract (tide/engine/base.py), so it works for any engine.
 """
@@ -37,7 +41,7 @@ Resolver = Callable[[], "tuple[str, Path] | None"]
 
 @dataclass(frozen=True)
 class SwapOutcome:
-    status: str  # "swapped" | "unchanged" | "refused" | "error"
+    status: str  # "swapped" | "unchanged" | "refused" | "not_applied" | "error"
     version: str | None
     detail: str = ""
     pause_s: float = 0.0
@@ -45,13 +49,17 @@ class SwapOutcome:
 
 class SwapWatcher:
     def __init__(self, engine: Engine, resolve: Resolver, smoke_prompt_ids: list[int],
-                 poll_interval_s: float = 10.0, swap_lock: threading.RLock | None = None):
+                 poll_interval_s: float = 10.0, swap_lock: threading.RLock | None = None,
+                 apply_timeout_s: float = 30.0):
         self.engine = engine
         self.resolve = resolve
         self.smoke_prompt_ids = list(smoke_prompt_ids)
         self.poll_interval_s = poll_interval_s
+        self.apply_timeout_s = apply_timeout_s  # a swap not served by then is reported not applied
         self.refused: dict[str, str] = {}  # version -> reason (not retried)
         self.previous: tuple[str, Any] | None = None  # (version, drafter handle) served before the last swap
+        # (asked version, (version, handle) serving when asked) of the last swap not applied in time
+        self._unapplied: tuple[str, tuple[str, Any]] | None = None
         self._lock = threading.Lock()  # one check at a time (poll loop vs control endpoint)
         # what serves and what is refused changes only under this lock, held for a swap at most
         self.swap_lock = swap_lock or threading.RLock()
@@ -71,7 +79,7 @@ class SwapWatcher:
             return SwapOutcome("unchanged", self.engine.drafter_version, "no champion")
         version, folder = resolved
         if version == self.engine.drafter_version:
-            return SwapOutcome("unchanged", version)
+            return self._applied_late(version) or SwapOutcome("unchanged", version)
         if version in self.refused:
             return SwapOutcome("refused", version, self.refused[version])
         try:
@@ -102,16 +110,41 @@ class SwapWatcher:
             old_version, old = self.engine.drafter_version, self.engine.drafter
             t0 = time.perf_counter()
             self.engine.swap_drafter(drafter, version)
-            self._wait_applied(version)
-            self.previous = (old_version, old)
+            if not self._wait_applied(version):
+                return self._not_applied(version, (old_version, old), time.perf_counter() - t0)
+            self.previous, self._unapplied = (old_version, old), None
         metrics.OPS_SWAPS.labels("swapped").inc()
         log.info("serving drafter %s (was %s)", version, old_version)
         return SwapOutcome("swapped", version, f"from {old_version}", time.perf_counter() - t0)
 
-    def _wait_applied(self, version: str, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.engine.drafter_version != version and time.monotonic() < deadline:
+    def _not_applied(self, version: str, was: tuple[str, Any], waited_s: float) -> SwapOutcome:
+        """The engine still serves another version: nothing is recorded as swapped; asked again next check."""
+        self._unapplied = (version, was)
+        served = self.engine.drafter_version
+        detail = f"engine still serves {served} {waited_s:.1f} s after the swap to {version} was asked"
+        metrics.OPS_SWAPS.labels("not_applied").inc()
+        log.error("drafter %s not applied: %s", version, detail)
+        return SwapOutcome("not_applied", version, detail, waited_s)
+
+    def _applied_late(self, version: str) -> SwapOutcome | None:
+        """The engine now serves a swap it had not applied when asked: record it as that swap."""
+        with self.swap_lock:
+            unapplied = self._unapplied
+            if unapplied is None or unapplied[0] != version or self.engine.drafter_version != version:
+                return None
+            self.previous, self._unapplied = unapplied[1], None
+        metrics.OPS_SWAPS.labels("swapped").inc()
+        log.info("serving drafter %s (was %s; applied after the wait)", version, unapplied[1][0])
+        return SwapOutcome("swapped", version, f"from {unapplied[1][0]} (applied after the wait)")
+
+    def _wait_applied(self, version: str) -> bool:
+        """True once the engine serves ``version``; False after ``apply_timeout_s``."""
+        deadline = time.monotonic() + self.apply_timeout_s
+        while self.engine.drafter_version != version:
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.005)
+        return True
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self.poll_interval_s):

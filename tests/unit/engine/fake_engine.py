@@ -1,5 +1,6 @@
 """FakeEngine: a FAKE implementing the Engine interface of tide/engine/base.py without a model,
-for the HTTP tests (tests/unit/engine/test_server*.py), plus its byte-level tokenizer."""
+for the HTTP tests (tests/unit/engine/test_server*.py), plus its byte-level tokenizer; and
+SwapFakeEngine, the same fake serving drafter versions whose swaps can stall (tests/unit/ops)."""
 from __future__ import annotations
 
 import re
@@ -10,6 +11,8 @@ from typing import Any, Iterator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from tide import metrics
+from tide.drafter.artifact import read_shape
 from tide.engine.base import Engine, EngineStats, GenerationRequest, TokenEvent
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -129,3 +132,68 @@ class FakeEngine(Engine):
 
     def close(self) -> None:
         pass
+
+
+class SwapFakeEngine(FakeEngine):
+    """A fake satisfying tide.engine.base.Engine that serves drafter versions. Not a model.
+
+    Like a real engine it applies a swap between decode steps and sets ``tide_engine_drafter_info``
+    when it does; ``stall()`` stands for a decode loop that takes no step, so swaps stay pending
+    (never applied) until ``resume()`` applies the last one asked. ``validate_drafter`` parses the
+    folder's config.json (DrafterError when it is not a drafter) and returns the folder as handle.
+    Every swap asked is recorded in ``swaps_asked``; ``swap_asked`` is set at each.
+    """
+
+    def __init__(self, version: str = "1") -> None:
+        super().__init__()
+        self._version, self._drafter = version, None
+        self._pending: tuple[Any, str] | None = None
+        self._stalled = False
+        self.swaps_asked: list[str] = []
+        self.swap_asked = threading.Event()
+        # the engine process it stands for serves one version: earlier engines' labels are gone
+        metrics.ENGINE_DRAFTER_INFO.clear()
+        metrics.ENGINE_DRAFTER_INFO.labels(version).set(1)
+
+    @property
+    def drafter_version(self) -> str:
+        return self._version
+
+    @property
+    def drafter(self) -> Any:
+        return self._drafter
+
+    def validate_drafter(self, folder: Any, smoke_prompt_ids: list[int]) -> Any:
+        read_shape(folder)
+        return folder
+
+    def swap_drafter(self, drafter: Any, version: str) -> None:
+        with self._lock:
+            self._pending = (drafter, version)
+            self.swaps_asked.append(version)
+            stalled = self._stalled
+        self.swap_asked.set()
+        if not stalled:
+            self._apply()
+
+    def stall(self) -> None:
+        with self._lock:
+            self._stalled = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._stalled = False
+        self._apply()
+
+    def _apply(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return
+            old = self._version
+            self._drafter, self._version = pending
+        metrics.ENGINE_DRAFTER_INFO.labels(old).set(0)
+        metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
+
+    def health(self) -> dict[str, Any]:
+        return {"fake": True, "drafter_version": self._version}

@@ -1,4 +1,6 @@
-"""Swap watcher refuses bad artifacts while the champion keeps serving; the guard rolls back collapses."""
+"""Swap watcher refuses bad artifacts while the champion keeps serving; the guard rolls back collapses
+and leaves healthy drafters serving."""
+import copy
 import json
 import threading
 
@@ -12,7 +14,10 @@ from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine
 from tide.ops.guard import CollapseGuard
 from tide.ops.swap import SwapWatcher
-from tide.train.offline import new_drafter
+from tide.train.offline import generate_samples, new_drafter
+from tide.train.trainer import train
+
+PROMPT = (9, 10, 11)  # serve_one's prompt
 
 
 @pytest.fixture()
@@ -32,7 +37,7 @@ def candidate(tiny_target, tiny_drafter, seed):
 
 
 def serve_one(engine):
-    req = GenerationRequest("x", (9, 10, 11), SamplingParams(max_new_tokens=6))
+    req = GenerationRequest("x", PROMPT, SamplingParams(max_new_tokens=6))
     return [t for ev in engine.submit(req) for t in ev.token_ids]
 
 
@@ -103,3 +108,46 @@ def test_collapse_guard_rolls_back_injected_bad_drafter(setup, tiny_target, tiny
     [t.join() for t in threads]
     assert guard.check() is not None
     assert engine.drafter_version == "1" and "bad" in reasons[0]
+
+
+def agreeing(tiny_target, tiny_drafter):
+    """A drafter trained on the target's own greedy output for PROMPT: accepted on serve_one's traffic."""
+    samples = generate_samples(tiny_target, [list(PROMPT)], 12, eos_ids=(), progress=False)
+    d = new_drafter(tiny_target, tiny_drafter.shape.draft_vocab_size, torch.zeros(512), seed=1)
+    d.set_vocab_mapping(tiny_drafter.d2t.clone())
+    train(d, tiny_target.embed_weight, tiny_target.lm_head_weight, samples, epochs=80, lr=3e-2, batch_tokens=512,
+          max_len=256, ttt_length=1, step_weight=0.8, seed=1, progress=False)
+    return d.eval()
+
+
+def serve_window(engine):
+    """Two rounds of the collapse test's traffic: more than its 30-forward window."""
+    for _ in range(2):
+        threads = [threading.Thread(target=serve_one, args=(engine,)) for _ in range(12)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+
+
+def test_collapse_guard_keeps_a_healthy_drafter_serving(tiny_target, tiny_drafter):
+    good = agreeing(tiny_target, tiny_drafter)
+    engine = ReferenceEngine(tiny_target, None, good, "1", target_model_id="tiny", draft_len=3,
+                             max_batch_size=2, max_seq_len=200)
+    watcher = SwapWatcher(engine, lambda: None, smoke_prompt_ids=[5, 6, 7, 8])
+    reasons = []
+    # the collapse test's guard, with the previous version's baseline measured live here
+    guard = CollapseGuard(engine, reasons.append, floor=1.05, min_ratio=0.9, window_forwards=30)
+    try:
+        guard.check()
+        serve_window(engine)
+        assert guard.check() is None and guard.baselines["1"] > 2.0, guard.baselines  # accepted: healthy
+        # a new version as good as the champion (a retrain that converged to the same weights)
+        assert watcher.swap_to("2", copy.deepcopy(good)).status == "swapped"
+        guard.check()
+        for _ in range(3):  # three judged windows, where the collapse test needs one to roll back
+            guard.baselines.pop("2", None)
+            serve_window(engine)
+            assert guard.check() is None
+            assert guard.baselines["2"] >= 0.9 * guard.baselines["1"], guard.baselines  # judged, kept
+        assert reasons == [] and engine.drafter_version == "2"
+    finally:
+        engine.close()
