@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, stop = started
 
+    from tide.capture.sampling import SamplingPolicy
     from tide.engine.server import build_app, serve
     from tide.engine.sglang.engine import SGLangEngine
     from tide.engine.sglang.server_args import server_command, server_env
@@ -73,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         server.start().wait_healthy(sg.startup_timeout_s)
         engine = SGLangEngine(f"http://{sg.host}:{sg.port}", folder, version, target_model_id=cfg.model.model_id,
                               max_seq_len=cfg.model.max_seq_len, tokenizer=_tokenizer(sg.target),
-                              tp_size=sg.tp_size, timeout_s=sg.request_timeout_s)
+                              tp_size=sg.tp_size, timeout_s=sg.request_timeout_s,
+                              capture_policy=SamplingPolicy(cfg.capture.sample_fraction,
+                                                            dict(cfg.capture.workload_fractions))
+                              if cfg.capture.enabled else None,
+                              full_capture_fraction=cfg.capture.full_capture_fraction)
         if cfg.ops.follow_registry:
             from tide.ops.follower import DrafterFollower
 

@@ -4,7 +4,11 @@ Runs in TIDE's process beside the server (server_args.py), so the drafter follow
 guard, the control API and the OpenAI front end work unchanged. Capture does not pass through
 here: the plugin inside SGLang's scheduler produces it (plugin.py). Members:
 - ``submit``: ``POST /generate`` with the prompt's token ids, streamed; ``custom_params`` carry the
-  workload tag and the capture opt-out to the plugin (capture.py);
+  workload tag and the capture opt-out to the plugin (capture.py). SGLang's prefix cache serves a
+  cached prompt start without computing its hidden states, so such requests are never captured;
+  ``full_capture_fraction`` of the requests the capture samples (``capture_policy``) get a
+  ``cache_salt`` of their own (SGLang's per-request cache namespace): no prefix matches, the whole
+  prompt is computed and captured, at the cost of recomputing it (docs/design/sglang.md);
 - ``validate_drafter``: off the serving path, the same checks SGLang's TIDE loader repeats
   (weights.prepare: artifact, sha256, shape = the serving draft model's, vocab mapping = the
   serving one). No smoke decode: SGLang verifies every drafted token with the target, so a
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from tide.capture.sampling import SamplingPolicy, unit_hash
 from tide.drafter.artifact import DrafterError, read_metadata
 from tide.engine.base import CaptureSink, Engine, EngineStats, GenerationRequest, TokenEvent
 from tide.engine.sglang import weights
@@ -61,8 +66,12 @@ def serialize_named_tensors(named: list, tp_size: int) -> list[str]:
 class SGLangEngine(Engine):
     def __init__(self, base_url: str, serving_folder: Path, version: str, *, target_model_id: str,
                  max_seq_len: int, tokenizer: Any = None, tp_size: int = 1, timeout_s: float = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, capture_policy: SamplingPolicy | None = None,
+                 full_capture_fraction: float = 0.0) -> None:
+        if not 0.0 <= full_capture_fraction <= 1.0:
+            raise ValueError(f"full_capture_fraction must be in [0, 1], got {full_capture_fraction}")
         self.base_url = base_url.rstrip("/")
+        self.capture_policy, self.full_capture_fraction = capture_policy, full_capture_fraction
         self.tokenizer = tokenizer
         self.target_model_id = target_model_id
         self.max_seq_len = max_seq_len
@@ -157,8 +166,21 @@ class SGLangEngine(Engine):
 
     def generate_body(self, request: GenerationRequest) -> dict:
         """The ``/generate`` JSON body of ``request`` (streamed, token ids in and out)."""
-        return {"input_ids": list(request.prompt_ids), "sampling_params": self._sampling(request),
+        body = {"input_ids": list(request.prompt_ids), "sampling_params": self._sampling(request),
                 "stream": True, "rid": request.request_id}
+        if self.captured_in_full(request):
+            body["cache_salt"] = f"tide-full-capture:{request.request_id}"  # a namespace no other request has
+        return body
+
+    def captured_in_full(self, request: GenerationRequest) -> bool:
+        """Whether ``request`` is in the sampled share that bypasses SGLang's prefix cache: captured
+        (the plugin's policy decides the same from the same id) and drawn by a second hash of its id."""
+        policy = self.capture_policy
+        if policy is None or not request.capture or self.full_capture_fraction <= 0.0:
+            return False
+        if not policy.admits(request.request_id, request.workload):
+            return False
+        return unit_hash(request.request_id + "#full") < self.full_capture_fraction
 
     def _stream(self, request: GenerationRequest) -> Iterator[TokenEvent]:
         body = self.generate_body(request)

@@ -4,9 +4,10 @@ SGLang's ``load_plugins()`` runs ``register`` in each of its processes (server, 
 scheduler, detokenizer) before any model load, then ``HookRegistry.apply_hooks()`` patches the
 targets below. Inert unless the server was started by TIDE (``TIDE_SGLANG_CONFIG`` set, see
 server_args.py), so installing TIDE next to SGLang changes nothing by itself. Hooks:
-1. BEFORE ``Scheduler.__init__``: the start-up checks (server_args.py; a clear error, the scheduler
+1. BEFORE ``Scheduler.__init__``: the start-up checks (server_args.py, and with capture on, that the
+   speculative worker SGLang builds is the hooked ``EAGLEWorkerV2``; a clear error, the scheduler
    does not start), then this process's capture context: the TIDE config, the tap and producer
-   thread (only on attention-TP rank 0: every rank computes the same rows);
+   thread (only on the capturing rank, see ``capture_rank``: the other ranks compute the same rows);
 2. AFTER ``ModelRunner.init_attention_backends`` of the *target* runner (before its CUDA graphs
    are captured): its LogitsProcessor also returns the final normed hidden states
    (``last_hidden_states``, SGLang's own field for aux-capture mode), so the prefill and verify
@@ -82,24 +83,64 @@ def _load_config():
     return load_config(path)
 
 
-def on_scheduler_init(scheduler: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+def on_scheduler_init(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ``Scheduler.__init__(self, server_args, port_args)``: raise on an unsupported server,
-    else set up capture."""
+    else set up capture. Arguments are read by name: SGLang may pass them either way."""
     import sglang
 
+    sargs = scheduler_arguments(scheduler, args, kwargs)["server_args"]
     cfg = _load_config()
-    server_args.check_startup(sglang.__version__, args, cfg.capture.enabled)
-    start_capture(cfg, str(args.model_path), capture_rank())
+    server_args.check_startup(sglang.__version__, sargs, cfg.capture.enabled)
+    if cfg.capture.enabled:
+        check_speculative_worker(sargs)
+    start_capture(cfg, str(sargs.model_path), cfg.capture.enabled and capture_rank(sargs))
 
 
-def capture_rank() -> bool:
-    """Attention-TP rank 0 captures; the other ranks hold the same rows."""
+def scheduler_arguments(scheduler: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``Scheduler.__init__``'s arguments by name, bound as Python binds them for the original (which
+    raises itself for any it misses)."""
+    import inspect
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    # the patched __init__ keeps the original's signature (functools.wraps sets __wrapped__)
+    return inspect.signature(Scheduler.__init__).bind_partial(scheduler, *args, **kwargs).arguments
+
+
+def check_speculative_worker(args: Any) -> None:
+    """Capture hooks ``EAGLEWorkerV2``: refuse a server whose speculative worker (the class SGLang's
+    scheduler builds from these arguments) would run other code, where nothing would be captured."""
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    worker = SpeculativeAlgorithm.from_string(args.speculative_algorithm).create_worker(args)
+    hooked = isinstance(worker, type) and issubclass(worker, EAGLEWorkerV2) and \
+        worker.verify is EAGLEWorkerV2.verify and worker._forward_prefill_batch is EAGLEWorkerV2._forward_prefill_batch
+    if not hooked:
+        name = f"{worker.__module__}.{worker.__qualname__}" if isinstance(worker, type) else repr(worker)
+        raise server_args.SGLangPluginError(
+            f"TIDE's SGLang plugin cannot run here: capture hooks EAGLEWorkerV2 (verify, _forward_prefill_batch) "
+            f"but this server's speculative worker is {name}, so nothing would be captured; drop the option "
+            "that selects it (e.g. --enable-multi-layer-eagle) or turn capture off (capture.enabled: false)")
+
+
+def capture_rank(args: Any) -> bool:
+    """Whether this scheduler captures: rank 0 of its attention group (the TP and context-parallel
+    ranks of one attention-DP group hold the same rows) on the last pipeline stage (the one hosting
+    the draft). The ranks are those SGLang published for this scheduler's own arguments before
+    constructing it (``run_scheduler_process``); unreadable, no rank captures: said and counted."""
+    from sglang.srt.runtime_context import assert_published, get_parallel
+
+    from tide import metrics
+
     try:
-        from sglang.srt.runtime_context import get_parallel
-
-        return int(get_parallel().attn_tp_rank) == 0
-    except Exception:  # noqa: BLE001 - before the groups exist every process counts as rank 0
-        return True
+        assert_published(args, role="scheduler")
+        p = get_parallel()
+        return p.attn_tp_rank == 0 and p.attn_cp_rank == 0 and p.pp_rank == p.pp_size - 1
+    except (RuntimeError, ValueError, AttributeError) as exc:
+        log.error("TIDE plugin: this scheduler's parallel rank is unknown (%s); capture is off in this process", exc)
+        metrics.CAPTURE_RANK_UNKNOWN.inc()
+        return False
 
 
 def start_capture(cfg: Any, target_model_id: str, with_tap: bool, sink: Any = None) -> Any:
