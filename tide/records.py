@@ -37,6 +37,7 @@ _MAX_HEADER_BYTES = 64 * 1024
 MAX_ID_CHARS = 256  # request_id, target_model_id (1..this), drafter_version (0..this)
 MAX_WORKLOAD_CHARS = 64  # the engine API's own limit for the tag
 MAX_AUX_LAYERS = 16
+MAX_VERSION_CHANGES = 64  # drafter swaps one record can name (a request spans few)
 MAX_CAPTURE_TIME_S = 4_102_444_800.0  # 2100-01-01T00:00:00Z: times are Unix seconds in [0, this)
 INT32_MAX = 2**31 - 1  # every integer header value and token id is stored as int32
 
@@ -76,6 +77,18 @@ class Record:
     request_num_tokens: int = 0  # positions in the whole request (0 = this record's own T)
     chunk_index: int = 0
     chunk_count: int = 1
+    # (request position, drafter version): from that position on, drafts came from that version
+    # (swaps while the request ran); ``drafter_version`` holds before the first. Absent in older records.
+    version_changes: tuple[tuple[int, str], ...] = ()
+
+    def drafter_version_at(self, position: int) -> str:
+        """The drafter version that served request position ``position``."""
+        version = self.drafter_version
+        for start, changed in self.version_changes:
+            if start > position:
+                break
+            version = changed
+        return version
 
     @property
     def num_tokens(self) -> int:
@@ -129,9 +142,24 @@ class Record:
         if not all(0 <= x <= INT32_MAX for x in ints) or len(self.aux_layer_ids) > MAX_AUX_LAYERS:
             raise RecordError(f"hidden_size, position_start, request_num_tokens and (at most "
                               f"{MAX_AUX_LAYERS}) aux_layer_ids must be in [0, 2**31)", DEAD_INVALID)
+        self._check_version_changes()
         if self.num_tokens and (self.token_ids.min() < 0 or self.token_ids.max() > INT32_MAX
                                 or self.loss_mask.max() > 1):
             raise RecordError("token_ids must be in [0, 2**31) and loss_mask 0 or 1", DEAD_INVALID)
+
+    def _check_version_changes(self) -> None:
+        changes = self.version_changes
+        if len(changes) > MAX_VERSION_CHANGES:
+            raise RecordError(f"{len(changes)} version_changes, at most {MAX_VERSION_CHANGES}", DEAD_INVALID)
+        last = -1
+        for position, version in changes:
+            if not (isinstance(position, int) and last < position <= INT32_MAX):
+                raise RecordError("version_changes positions must increase within [0, 2**31)", DEAD_INVALID)
+            if not (isinstance(version, str) and len(version) <= MAX_ID_CHARS and version.isprintable()
+                    and _is_utf8(version)):
+                raise RecordError(f"version_changes versions must be printable UTF-8 of at most {MAX_ID_CHARS} "
+                                  "characters", DEAD_INVALID)
+            last = position
 
     def header(self) -> dict:
         """The JSON header fields (everything but the arrays)."""
@@ -144,6 +172,7 @@ class Record:
             "position_start": self.position_start,
             "request_num_tokens": self.request_num_tokens or self.num_tokens,
             "chunk_index": self.chunk_index, "chunk_count": self.chunk_count,
+            "version_changes": [[p, v] for p, v in self.version_changes],
         }
 
 
@@ -219,6 +248,10 @@ def decode(value: bytes, max_bytes: int | None = None) -> Record:
             raise RecordError(f"header field {key!r} has type {type(header[key]).__name__}")
     if not all(type(x) is int for x in header["aux_layer_ids"]):
         raise RecordError("aux_layer_ids must be a list of integers")
+    changes = header.get("version_changes", [])  # optional: records before it have none
+    if not (isinstance(changes, list) and all(isinstance(c, list) and len(c) == 2 and type(c[0]) is int
+                                              and isinstance(c[1], str) for c in changes)):
+        raise RecordError("version_changes must be a list of [position, version] pairs")
     dtype = header["hidden_dtype"]
     if dtype not in HIDDEN_ITEMSIZE:
         raise RecordError(f"unknown hidden_dtype {dtype!r}")
@@ -246,7 +279,8 @@ def decode(value: bytes, max_bytes: int | None = None) -> Record:
             aux_hidden=sections[2], final_hidden=sections[3],
             position_start=header["position_start"],
             request_num_tokens=header["request_num_tokens"],
-            chunk_index=header["chunk_index"], chunk_count=header["chunk_count"])
+            chunk_index=header["chunk_index"], chunk_count=header["chunk_count"],
+            version_changes=tuple((p, v) for p, v in changes))
     except (TypeError, ValueError, OverflowError) as exc:  # float(10**400)
         raise RecordError(f"bad header value: {exc}") from exc
     record.validate()

@@ -127,6 +127,22 @@ class IngestThread:
             raise self.error
 
 
+def ingest_caught_up(kafka, group_id: str) -> bool:
+    """True once ingest has committed every message on ``kafka.topic`` (offsets are committed
+    only after the Parquet holding them is durable): then nothing more can appear in the dataset.
+    The probe never subscribes, so it does not join (or rebalance) ingest's consumer group."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, group_id=group_id,
+                             enable_auto_commit=False)
+    try:
+        parts = [TopicPartition(kafka.topic, p) for p in sorted(consumer.partitions_for_topic(kafka.topic) or ())]
+        ends = consumer.end_offsets(parts)
+        return bool(parts) and all((consumer.committed(tp) or 0) >= ends[tp] for tp in parts)
+    finally:
+        consumer.close(autocommit=False)
+
+
 @pytest.fixture
 def capture_kit():
     class Kit:
@@ -135,6 +151,7 @@ def capture_kit():
     kit = Kit()
     kit.request_steps = request_steps
     kit.IngestThread = IngestThread
+    kit.caught_up = ingest_caught_up
     return kit
 
 

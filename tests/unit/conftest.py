@@ -21,3 +21,21 @@ def tiny_drafter(tiny_target):
     counts = torch.arange(tiny_target.shape.vocab_size).flip(0)
     drafter = new_drafter(tiny_target, tiny_target.shape.vocab_size // 2, counts, seed=1)
     return drafter.eval()
+
+
+@pytest.fixture(scope="session")
+def agreeing_drafter(tiny_target):
+    """(drafter, prompts): a tiny drafter trained on the tiny target's own greedy answers to
+    ``prompts`` until its drafts are accepted often there (several tokens per target forward), for
+    tests where a step must commit more than one token; ~2 s."""
+    from tide.train.offline import generate_samples, new_drafter
+    from tide.train.trainer import train
+
+    vocab = tiny_target.shape.vocab_size
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, vocab, (12,), generator=g).tolist() for _ in range(4)]
+    drafter = new_drafter(tiny_target, vocab // 2, torch.arange(vocab).flip(0), seed=1)
+    samples = generate_samples(tiny_target, prompts, 64, (), progress=False)
+    train(drafter, tiny_target.embed_weight, tiny_target.lm_head_weight, samples, epochs=120, lr=3e-3,
+          batch_tokens=512, max_len=128, ttt_length=4, step_weight=0.8, progress=False)
+    return drafter.eval(), prompts

@@ -130,7 +130,9 @@ def test_fp8_table_matches_torch_for_every_bit_pattern():
 def test_schema_file_matches_the_header():
     schema = json.loads(SCHEMA_FILE.read_text())
     header = make_record().header()
-    assert set(schema["required"]) == set(header) == set(schema["properties"])
+    assert set(header) == set(schema["properties"])
+    # optional: records written before version changes existed lack it, and decode as none
+    assert set(header) - set(schema["required"]) == {"version_changes"}
     assert schema["x-schema-version"] == records.SCHEMA_VERSION
     json_types = {"string": str, "integer": int, "number": (int, float), "array": list,
                   "null": type(None)}
@@ -166,3 +168,31 @@ def test_encode_refuses_what_the_dataset_cannot_store():
         with pytest.raises(RecordError) as err:
             encode(dataclasses.replace(make_record(), **change))
         assert err.value.reason == contracts.DEAD_INVALID, change
+
+
+def test_version_changes_round_trip_and_name_the_version_at_each_position():
+    rec = dataclasses.replace(make_record(t=40), position_start=0, version_changes=((12, "v4"), (30, "v5")))
+    back = decode(encode(rec))
+    assert back.version_changes == ((12, "v4"), (30, "v5"))
+    assert [back.drafter_version_at(p) for p in (0, 11, 12, 29, 30, 39)] == ["v3", "v3", "v4", "v4", "v5", "v5"]
+    for chunk in (decode(encode(c)) for c in split(rec, 2_000)):  # every chunk names the request's swaps
+        assert chunk.version_changes == rec.version_changes
+
+
+def test_records_without_version_changes_still_decode():
+    """A producer from before the field existed: its header lacks the key."""
+    rec = make_record()
+    header = rec.header()
+    del header["version_changes"]
+    raw = json.dumps(header).encode()
+    body = struct.pack("<4sHI", b"TIDR", records.SCHEMA_VERSION, len(raw)) + raw + encode(rec)[
+        10 + len(json.dumps(rec.header(), separators=(",", ":")).encode()):-4]
+    value = body + struct.pack("<I", __import__("zlib").crc32(body))
+    assert decode(value).version_changes == ()
+
+
+@pytest.mark.parametrize("changes", [((5, "v4"), (5, "v5")), ((-1, "v4"),), ((3, "x" * 300),), ((3, "bad\n"),)])
+def test_bad_version_changes_are_invalid(changes):
+    with pytest.raises(RecordError) as err:
+        encode(dataclasses.replace(make_record(), version_changes=changes))
+    assert err.value.reason == contracts.DEAD_INVALID

@@ -4,6 +4,8 @@ Runs only in the capture worker process (numpy only: it never imports torch). St
 1. ``add`` keeps the step's arrays, checking positions are contiguous (a gap means a step was
    dropped upstream: the request is abandoned, since a record with a hole would teach the drafter
    wrong transitions);
+   a step whose drafter version differs from the one before starts a version change (a swap
+   while the request ran: its later positions were drafted under the new version);
 2. the request is ready when a step says ``finished`` or ``max_tokens`` positions are held
    (then it is truncated to exactly ``max_tokens`` and later steps are ignored);
 3. ``build`` concatenates the rows (already raw storage-dtype bytes: the engine's tap cast them
@@ -41,6 +43,8 @@ class StagedStep:
 class PendingRequest:
     meta: CaptureMeta
     steps: list[StagedStep] = field(default_factory=list)
+    # (first position, drafter version) for every swap the request spanned, in position order
+    version_changes: list[tuple[int, str]] = field(default_factory=list)
     tokens: int = 0
     next_position: int = -1
     last_step_at_s: float = 0.0
@@ -55,6 +59,9 @@ class PendingRequest:
         if n:
             if self.next_position < 0:
                 self.next_position = step.start_position
+            current = self.version_changes[-1][1] if self.version_changes else self.meta.drafter_version
+            if step.meta.drafter_version != current:
+                self.version_changes.append((step.start_position, step.meta.drafter_version))
             self.steps.append(step)
             self.tokens += n
             self.next_position += n
@@ -68,6 +75,7 @@ def build_record(pending: PendingRequest, hidden_dtype: str, max_tokens: int,
     if hidden_dtype not in HIDDEN_ITEMSIZE:
         raise ValueError(f"hidden_dtype {hidden_dtype!r} not in {sorted(HIDDEN_ITEMSIZE)}")
     steps, meta, item = pending.steps, pending.meta, HIDDEN_ITEMSIZE[hidden_dtype]
+    end = steps[0].start_position + max_tokens
     token_ids = np.concatenate([s.token_ids.reshape(-1) for s in steps])[:max_tokens].astype(np.int32)
     mask = np.concatenate([np.full(int(s.token_ids.shape[0]), 0 if s.is_prompt else 1, dtype=np.uint8)
                            for s in steps])[:max_tokens]
@@ -85,4 +93,5 @@ def build_record(pending: PendingRequest, hidden_dtype: str, max_tokens: int,
         hidden_size=final.shape[-1] // item, hidden_dtype=hidden_dtype,
         token_ids=token_ids, loss_mask=mask,
         aux_hidden=aux.tobytes(), final_hidden=final.tobytes(),
-        position_start=steps[0].start_position, request_num_tokens=int(token_ids.shape[0]))
+        position_start=steps[0].start_position, request_num_tokens=int(token_ids.shape[0]),
+        version_changes=tuple((p, v) for p, v in pending.version_changes if p < end))

@@ -61,7 +61,8 @@ from tide.engine.base import StepCapture
 
 log = logging.getLogger(__name__)
 
-# per-request tap state: [sampled, positions offered, broken, metadata sent]
+# per-request tap state: [sampled, positions offered, broken, drafter version sent with the
+# metadata or since (None: metadata not sent yet)]
 _SAMPLED, _TOKENS, _BROKEN, _META_SENT = 0, 1, 2, 3
 _MAX_ABORTED = 4096  # broken request ids waiting for frames that reach the worker
 _ABORTED_PER_FRAME = 8  # so a frame stays under PIPE_BUF
@@ -198,8 +199,11 @@ class CaptureTap:
             plan = (self._plan(capture.token_ids, n, _TOKEN_SOURCES, 4),
                     self._plan(capture.aux_hidden, n, self._sources, self._item),
                     self._plan(capture.final_hidden, n, self._sources, self._item))
-            meta = None if state[_META_SENT] else vars(capture.meta)
-            entries.append((capture.meta.request_id, meta, capture.start_position, n, capture.is_prompt,
+            sent, version = state[_META_SENT], capture.meta.drafter_version
+            meta = None if sent is not None else vars(capture.meta)
+            # a swap while the request runs: its later positions belong to the new drafter version
+            changed = version if sent is not None and sent != version else None
+            entries.append((capture.meta.request_id, meta, changed, capture.start_position, n, capture.is_prompt,
                             capture.finished, size) + tuple(p[:2] for p in plan))
             staged.append((capture, size, n, state, plan))
             size += sum(align(n * p[1]) for p in plan)
@@ -227,8 +231,8 @@ class CaptureTap:
             return self._drop(staged, "queue_full")
         self._ring.commit(start, size)
         del self._aborted[:len(aborted)]
-        for entry in staged:
-            entry[3][_META_SENT] = True
+        for capture, _, _, state, _ in staged:
+            state[_META_SENT] = capture.meta.drafter_version
         self._sent_steps += 1
         metrics.CAPTURE_STEPS.inc(len(staged))
 
@@ -238,7 +242,7 @@ class CaptureTap:
         if state is None:
             sampled = self.policy.admits(rid, capture.meta.workload)
             metrics.CAPTURE_REQUESTS.labels("sampled" if sampled else "skipped").inc()
-            state = [sampled, 0, False, False]
+            state = [sampled, 0, False, None]
             if len(self._requests) >= self._max_tracked:
                 self._requests.pop(next(iter(self._requests)))
             self._requests[rid] = state
@@ -282,7 +286,7 @@ class CaptureTap:
         if state[_BROKEN]:
             return
         state[_BROKEN] = True
-        if not state[_META_SENT]:
+        if state[_META_SENT] is None:
             return
         if worker_alive:  # tell it to abandon the request (it counts the record as queue_full)
             self._aborted.append(rid)

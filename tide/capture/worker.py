@@ -103,14 +103,17 @@ class Worker:
                 self.source.put(step)  # blocks while the producer is behind: the ring fills instead
         self.consumed_steps += 1
 
-    def copy_out(self, base: int, rid: str, meta: dict | None, position: int, n: int, is_prompt: bool,
-                 finished: bool, rel: int, *layout: tuple[str, int]) -> StagedStep | None:
+    def copy_out(self, base: int, rid: str, meta: dict | None, version: str | None, position: int, n: int,
+                 is_prompt: bool, finished: bool, rel: int, *layout: tuple[str, int]) -> StagedStep | None:
         """One entry's rows out of the ring; ``layout``: (kind, bytes per row) of the token ids,
-        aux and final blocks, which follow one another at aligned offsets."""
+        aux and final blocks, which follow one another at aligned offsets. ``version``: the drafter
+        version from this step on, when a swap changed it while the request ran."""
         if meta is not None:
             self.metas[rid] = CaptureMeta(**meta)
             if len(self.metas) > _MAX_METAS:
                 self.metas.popitem(last=False)
+        if version is not None and rid in self.metas:
+            self.metas[rid] = dataclasses.replace(self.metas[rid], drafter_version=version)
         request = self.metas.pop(rid, None) if finished else self.metas.get(rid)
         if request is None:  # its first step was dropped, or it was evicted: nothing to attach to
             return None

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from tide.dataset.index import INDEX_NAME, DatasetIndex
-from tide.dataset.schema import list_files
+from tide.dataset.schema import list_files, version_changes_of
 from tide.records import hidden_to_float32
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 _COLUMNS = ["request_id", "target_model_id", "drafter_version", "aux_layer_ids", "workload",
             "started_at_s", "finished_at_s", "position_start", "request_num_tokens",
             "chunk_index", "chunk_count", "hidden_size", "hidden_dtype", "token_ids", "loss_mask",
-            "aux_hidden", "final_hidden"]
+            "aux_hidden", "final_hidden", "version_changes"]
 
 
 @dataclass
@@ -52,6 +52,17 @@ class Sample:
     finished_at_s: float
     position_start: int
     hidden_dtype: str
+    # (position, drafter version) for each swap while the request ran (tide.records.Record)
+    version_changes: tuple[tuple[int, str], ...] = ()
+
+    def drafter_version_at(self, position: int) -> str:
+        """The drafter version that served request position ``position``."""
+        version = self.drafter_version
+        for start, changed in self.version_changes:
+            if start > position:
+                break
+            version = changed
+        return version
 
 
 class DatasetReader:
@@ -90,7 +101,8 @@ class DatasetReader:
                 parquet = pq.ParquetFile(path)
             except FileNotFoundError:  # deleted by retention after it was listed
                 continue
-            for batch in parquet.iter_batches(batch_size=batch_rows, columns=_COLUMNS):
+            names = set(parquet.schema_arrow.names)  # files from before a column existed lack it
+            for batch in parquet.iter_batches(batch_size=batch_rows, columns=[c for c in _COLUMNS if c in names]):
                 for row in batch.to_pylist():
                     if not self._wanted(row, since_s, until_s, target_model):
                         continue
@@ -151,4 +163,4 @@ def _join(chunks: dict[int, dict]) -> Sample | None:
         drafter_version=first["drafter_version"], aux_layer_ids=tuple(first["aux_layer_ids"]),
         workload=first["workload"], started_at_s=first["started_at_s"],
         finished_at_s=first["finished_at_s"], position_start=first["position_start"],
-        hidden_dtype=dtype)
+        hidden_dtype=dtype, version_changes=version_changes_of(first))

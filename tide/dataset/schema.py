@@ -51,13 +51,14 @@ PARQUET_SCHEMA = pa.schema([
     ("loss_mask", pa.list_(pa.uint8())),
     ("aux_hidden", pa.binary()),
     ("final_hidden", pa.binary()),
+    ("version_changes", pa.list_(pa.struct([("position", pa.int32()), ("drafter_version", pa.string())]))),
 ])
 HIDDEN_COLUMNS = ("aux_hidden", "final_hidden")
 # bf16/fp8 activations barely compress; zstd on them costs ingest CPU for ~10 % of bytes
 COLUMN_COMPRESSION = {name: ("none" if name in HIDDEN_COLUMNS else "zstd")
                       for name in PARQUET_SCHEMA.names}
 STATISTICS_COLUMNS = [n for n in PARQUET_SCHEMA.names if n not in HIDDEN_COLUMNS
-                      and n not in ("token_ids", "loss_mask", "aux_layer_ids")]
+                      and n not in ("token_ids", "loss_mask", "aux_layer_ids", "version_changes")]
 
 _FILE_RE = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d{20})-(?P<last>\d{20})"
                       r"-(?P<tag>[0-9a-f]{8})\.parquet$")
@@ -169,6 +170,8 @@ def rows_to_table(rows: list[Row]) -> pa.Table:
         _list_array([x.loss_mask for x in recs], pa.uint8(), "uint8"),
         _binary_column([x.aux_hidden for x in recs]),
         _binary_column([x.final_hidden for x in recs]),
+        pa.array([[{"position": p, "drafter_version": v} for p, v in x.version_changes] for x in recs],
+                 PARQUET_SCHEMA.field("version_changes").type),
     ]
     return pa.Table.from_arrays(columns, schema=PARQUET_SCHEMA)
 
@@ -185,4 +188,10 @@ def row_to_record(row: dict) -> Record:
         loss_mask=np.asarray(row["loss_mask"], dtype=np.uint8),
         aux_hidden=row["aux_hidden"], final_hidden=row["final_hidden"],
         position_start=row["position_start"], request_num_tokens=row["request_num_tokens"],
-        chunk_index=row["chunk_index"], chunk_count=row["chunk_count"])
+        chunk_index=row["chunk_index"], chunk_count=row["chunk_count"],
+        version_changes=version_changes_of(row))
+
+
+def version_changes_of(row: dict) -> tuple[tuple[int, str], ...]:
+    """A row's version changes; none in files written before the column existed."""
+    return tuple((c["position"], c["drafter_version"]) for c in row.get("version_changes") or ())

@@ -16,6 +16,10 @@ import torch
 from tide.contracts import CaptureMeta  # noqa: F401  (engines and sinks take it from here)
 
 
+class EngineFailed(ConnectionError):
+    """The engine can no longer serve (its decode loop died); callers answer 503 and retry elsewhere."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters; validated by the caller (the server) before submit."""
@@ -118,6 +122,12 @@ class Engine(ABC):
     @abstractmethod
     def last_swap_pause_s(self) -> float:
         """How long the last applied swap paused decoding (0.0 before the first)."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer serve (e.g. its decode loop died), else None. Once set it stays:
+        health answers 503 with it, ``submit`` raises EngineFailed, and the service exits non-zero."""
+        return None
 
     @abstractmethod
     def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]: ...

@@ -13,6 +13,7 @@ Callers get a blocking iterator of TokenEvents; closing it early cancels the req
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -33,6 +34,7 @@ from tide.engine.base import (
     CaptureMeta,
     CaptureSink,
     Engine,
+    EngineFailed,
     EngineStats,
     GenerationRequest,
     StepCapture,
@@ -85,6 +87,8 @@ class ReferenceEngine(Engine):
         self._acct = EngineAccounting()
         self._lock = threading.Lock()  # guards _pending_swap only (never held in a step)
         self._stop = threading.Event()
+        self._failure: str | None = None  # why the decode loop died; set once, never cleared
+        self._swap_error: str | None = None  # the last swap that could not be applied, and why
         self._last_swap_pause_s = 0.0
         self.refeed_positions = refeed_positions
         if scheduler == "cost":
@@ -125,7 +129,13 @@ class ReferenceEngine(Engine):
             raise DrafterError(f"{folder}: smoke decode differs from target-only output")
         return drafter
 
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
     def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        if self._failure is not None:
+            raise EngineFailed(f"engine failed: {self._failure}")
         if self._stop.is_set():
             raise RuntimeError("engine is closed")
         total = len(request.prompt_ids) + request.sampling.max_new_tokens
@@ -142,6 +152,8 @@ class ReferenceEngine(Engine):
         running = new_running(request, meta)
         self._inbox.put(running)
         metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
+        if self._failure is not None:  # the loop died after the check above: nobody takes it now
+            self._fail_waiting()
         return Events(running)
 
     def swap_drafter(self, drafter: Eagle3Drafter | None, version: str) -> None:
@@ -159,7 +171,8 @@ class ReferenceEngine(Engine):
     def health(self) -> dict:
         return {"drafter_version": self._version, "running": len(self._running),
                 "waiting": self._inbox.qsize(), "target_model_id": self.target_model_id,
-                "last_swap_pause_s": self._last_swap_pause_s, **self._policy.view()}
+                "last_swap_pause_s": self._last_swap_pause_s, "swap_error": self._swap_error,
+                "failure": self._failure, **self._policy.view()}
 
     def close(self) -> None:
         self._stop.set()
@@ -167,22 +180,44 @@ class ReferenceEngine(Engine):
 
     # --- internals --------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._apply_swap()
-            self._admit()
-            if not self._running:
-                try:  # wait for work, put back: _admit takes it next iteration, in FIFO order
-                    self._inbox.put(self._inbox.get(timeout=0.05))
-                except queue.Empty:
-                    pass
-                continue
-            try:
-                self._step()
-            except Exception:  # a bug or one bad request must not fail the whole batch
-                log.exception("decode step failed; stepping its requests one at a time")
-                self._step_each()
+        try:
+            while not self._stop.is_set():
+                self._iterate()
+        except Exception as exc:  # noqa: BLE001 - outside a step nothing may fail: serve no more, say why
+            log.exception("decode loop failed; the engine stops serving")
+            self._failure = f"decode loop failed: {type(exc).__name__}: {exc}"
+            metrics.ENGINE_FAILED.set(1)
+            for slot in list(self._running):
+                self._finish(slot, "error", error=f"engine failed: {self._failure}")
+            self._fail_waiting()
+            return
         for slot in list(self._running):
             self._finish(slot, "error", error="engine shutting down")
+
+    def _iterate(self) -> None:
+        self._apply_swap()
+        self._admit()
+        if not self._running:
+            try:  # wait for work, put back: _admit takes it next iteration, in FIFO order
+                self._inbox.put(self._inbox.get(timeout=0.05))
+            except queue.Empty:
+                pass
+            return
+        try:
+            self._step()
+        except Exception:  # a bug or one bad request must not fail the whole batch
+            log.exception("decode step failed; stepping its requests one at a time")
+            self._step_each()
+
+    def _fail_waiting(self) -> None:
+        """End every queued request with the engine's failure (called once the loop is gone)."""
+        while True:
+            try:
+                running = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            running.out.put(TokenEvent((), True, "error", f"engine failed: {self._failure}"))
+            self._acct.outcome("error")
 
     def _apply_swap(self) -> None:
         with self._lock:
@@ -191,16 +226,25 @@ class ReferenceEngine(Engine):
             return
         t0 = time.perf_counter()
         drafter, version = swap
+        try:  # allocate before switching anything: a failure leaves the old drafter serving
+            dcache = drafter.new_cache(self.max_batch_size, self._cache_len) if drafter is not None else None
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory; the swap is refused, serving goes on
+            log.exception("swap to drafter %s failed; %s keeps serving", version, self._version)
+            self._swap_error = f"swap to {version} failed: {type(exc).__name__}: {exc}"
+            metrics.ENGINE_SWAP_FAILURES.inc()
+            return
         old = self._version
-        self._drafter = drafter
-        self._dcache = drafter.new_cache(self.max_batch_size, self._cache_len) if drafter is not None else None
+        self._drafter, self._dcache = drafter, dcache
         self._version = version if drafter is not None else "none"
+        self._swap_error = None
         self._policy.drafter_changed(self._version)
         for r in self._running.values():
             # the new drafter has seen nothing: feed it the recent history only, so the step
             # after a swap costs about one normal step; it attends from there on (lossless either way)
             r.row.feed_start = r.row.drafter_first_pos = max(0, r.row.t_len - self.refeed_positions)
             r.refeed = True
+            # lineage: this request's later positions are drafted (and captured) under the new version
+            r.meta = dataclasses.replace(r.meta, drafter_version=self._version)
         self._last_swap_pause_s = time.perf_counter() - t0
         metrics.ENGINE_SWAP_PAUSE_SECONDS.observe(self._last_swap_pause_s)
         metrics.ENGINE_DRAFTER_INFO.labels(old).set(0)
@@ -237,7 +281,7 @@ class ReferenceEngine(Engine):
                                                          r.row.top_k), 1, generator=r.row.generator))
         else:
             first = int(logits.argmax())
-        r.meta = CaptureMeta(**{**r.meta.__dict__, "drafter_version": self._version})
+        r.meta = dataclasses.replace(r.meta, drafter_version=self._version)
         r.row.t_len, r.row.pending, r.row.feed_start = len(prompt), first, 0
         r.hist_tokens.append(first)
         r.hist_aux.append(out.aux_hidden[0])
@@ -286,7 +330,8 @@ class ReferenceEngine(Engine):
             self._policy.observe_target_step(len(rows), forwards_s)
         else:
             forwards_s = stats.verify_s + stats.draft_s
-        self._commit(slots, results, drafted=stats is not None)
+        sent = [self._deliverable(self._running[s], res.committed)[0] for s, res in zip(slots, results)]
+        self._commit(slots, results, sent, drafted=stats is not None)
         # only rows with verified drafts are the drafter's acceptance (tide/engine/accounting.py)
         self._acct.step(version, results, stats, has_drafter=self._drafter is not None)
         emitted = sum(self._emit(s, res.committed) for s, res in zip(slots, results))
@@ -317,14 +362,19 @@ class ReferenceEngine(Engine):
             return None, None
         return results, stats
 
-    def _commit(self, slots: list[int], results, drafted: bool) -> None:
-        """Append each row's committed tokens and states to its history; capture them (enqueue only)."""
+    def _commit(self, slots: list[int], results, sent: list[int], drafted: bool) -> None:
+        """Append each row's committed tokens and states to its history; capture them (enqueue only).
+
+        ``sent[i]``: how many of row i's committed tokens reach its caller. Only the positions fed
+        with those are captured: the pending token and the accepted drafts before a stop or the
+        budget, so a request's captured positions are its prompt plus its output less one.
+        """
         caps = []
-        for s, res in zip(slots, results):
+        for s, res, n in zip(slots, results, sent):
             r = self._running[s]
             if self._sink is not None and r.req.capture:
-                caps.append(StepCapture(r.meta, r.row.t_len, res.fed_tokens, res.aux_hidden,
-                                        res.final_hidden, is_prompt=False))
+                caps.append(StepCapture(r.meta, r.row.t_len, res.fed_tokens[:n], res.aux_hidden[:n],
+                                        res.final_hidden[:n], is_prompt=False))
             r.hist_aux.append(res.aux_hidden)
             r.hist_tokens.extend(res.committed)
             if not drafted and self._drafter is not None:
@@ -344,21 +394,23 @@ class ReferenceEngine(Engine):
         except Exception:  # the sink must not raise; if it does, inference goes on
             log.exception("capture sink raised")
 
+    def _deliverable(self, r: Running, tokens: list[int]) -> tuple[int, str | None]:
+        """How many of ``tokens`` go to the caller, and why the request ends there (None: it goes on)."""
+        sp = r.req.sampling
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
+        for i, t in enumerate(tokens):
+            if t in stops:
+                return i + 1, "stop"
+            if r.generated + i + 1 >= sp.max_new_tokens:
+                return i + 1, "length"
+        return len(tokens), None
+
     def _emit(self, slot: int, tokens: list[int]) -> int:
         """Hand ``tokens`` to the caller up to a stop or the budget; returns how many went out."""
         r = self._running[slot]
-        sp = r.req.sampling
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
-        out, reason = [], None
-        for t in tokens:
-            out.append(t)
-            r.generated += 1
-            if t in stops:
-                reason = "stop"
-                break
-            if r.generated >= sp.max_new_tokens:
-                reason = "length"
-                break
+        n, reason = self._deliverable(r, tokens)
+        out = tokens[:n]
+        r.generated += n
         if reason is None and r.row.t_len + 1 >= self.max_seq_len:
             reason = "length"
         self._acct.tokens(self._version, len(out))

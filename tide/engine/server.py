@@ -125,6 +125,9 @@ class _Routes:
 
     def health(self) -> JSONResponse:  # sync: engine.stats() may wait on the engine's lock
         """Status and counters only: unauthenticated callers learn nothing about the deployment."""
+        failure = self.engine.failure
+        if failure is not None:  # a dead decode loop: the liveness probe restarts the process
+            return JSONResponse({"status": "failed", "reason": failure}, 503)
         try:
             body = self._status()
         except Exception:  # noqa: BLE001 - health must answer, not crash; the text is for the log
@@ -142,6 +145,9 @@ class _Routes:
         except Exception as exc:  # noqa: BLE001 - the token holder may see the reason
             log.exception("/control/health failed")
             return JSONResponse({"status": "error", "error": f"{type(exc).__name__}: {exc}"}, 503)
+        if self.engine.failure is not None:
+            body.update(status="failed", reason=self.engine.failure)
+            return JSONResponse(body, 503)
         return JSONResponse(body, 503 if self.admission.draining else 200)
 
     def metrics(self) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from tide import service
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from tide.ops.control_api import control_plane
 
     engine = build_engine(cfg)
+    failed = threading.Thread(target=_stop_when_failed, args=(engine, stop), name="tide-engine-failure", daemon=True)
+    failed.start()
     tap = None
     if cfg.capture.enabled:
         from tide.capture.tap import CaptureTap
@@ -66,7 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         if tap is not None:
             tap.close(cfg.capture.flush_timeout_s)
         log.info("engine closed")
+    if engine.failure is not None:  # non-zero: a supervisor (Kubernetes, systemd) restarts the process
+        log.error("engine exited after a failure: %s", engine.failure)
+        return 1
     return 0
+
+
+def _stop_when_failed(engine, stop: threading.Event, poll_s: float = 0.5) -> None:
+    """A dead decode loop ends the service: /health answers 503 meanwhile, then the process exits 1."""
+    while not stop.wait(poll_s):
+        if engine.failure is not None:
+            log.error("engine failed (%s); shutting down", engine.failure)
+            stop.set()
 
 
 if __name__ == "__main__":
