@@ -91,16 +91,21 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     assert summary["adapted_version"] != summary["static_version"]
     # ... and it does better on the shifted workload: the controlled comparison (the same held-out code
     # prompts through both drafters, nothing else running) is the measurement made for that claim
-    ratios = summary["comparison"]["ratios"]
-    assert ratios["code_accept_adapted_over_static"] > 1.0 and ratios["chat_accept_adapted_over_static"] > 0, ratios
+    comparison = summary["comparison"]
+    ratios = comparison["ratios"]
+    assert ratios["code_accept_adapted_over_static"] > 1.0, ratios
+    # the old workload is kept, not traded away: a quick retrain's short window forgets some chat
+    # (0.89-0.96x in quick runs, docs/benchmarks.md), a retrain that wrecks it falls far below
+    assert ratios["chat_accept_adapted_over_static"] > 0.8, ratios
+    for workload in ("chat", "code"):  # both drafters' drafts are accepted (target-only reads exactly 1.0)
+        for drafter in ("static", "adapted"):
+            assert comparison[workload][drafter]["tokens_per_forward"] > 1.05, (workload, drafter, comparison)
     # live, the swapped-in drafter's drafts are accepted (a broken swap or drafter reads 1.0). Not compared
     # with the static drafter's reading: at 6 concurrent rows on a busy machine the cost scheduler drafts few
     # rows, mostly one draft deep, and over the few hundred verified rows a quick run sees the two readings
     # have differed by -0.25 to +0.2 while the comparison said 1.1-1.2x (docs/benchmarks.md, Sessions 21-22)
     live = summary["live"]
     assert live["after_shift_adapted"] > 1.05 and live["after_shift_static"] > 1.05, live
-    for name, (lo, hi) in summary["comparison"]["ratio_intervals_90"].items():
-        assert 0 < lo <= hi, (name, lo, hi)  # (the ratio itself is usually, not always, inside)
     # served as a client gets it (cost scheduler + gate): lossless, with a ratio per workload x drafter
     served = summary["comparison"]["served"]
     assert set(served["tok_s_over_target"]) == {f"{w}_{d}" for w in ("chat", "code") for d in ("static", "adapted")}
@@ -115,4 +120,5 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     assert "error" not in board, board
     by_version = board["accept_length_by_version"]
     assert {summary["static_version"], summary["adapted_version"]} <= set(by_version), board
-    assert all(v >= 1.0 for v in by_version.values()), board
+    # both versions' series sit above the no-speculation reading (1.0 tokens per forward)
+    assert all(by_version[v] > 1.05 for v in (summary["static_version"], summary["adapted_version"])), board

@@ -199,3 +199,38 @@ def test_sampled_distribution_matches_target_only_with_the_cost_scheduler(tiny_t
         spec[a[1]] = spec.get(a[1], 0) + 1
         plain[b[1]] = plain.get(b[1], 0) + 1
     _assert_same_distribution(spec, plain, n)
+
+
+def test_rejection_sampling_keeps_the_target_distribution_at_depth_2_and_3():
+    """Tokens committed from drafts accepted at depth 2 and 3 follow the target. A Markov target
+    P[prev, next] and a drafter Q near it (so deep drafts are accepted often) run the step's own
+    accept function over a 3-token chain; the committed 2nd and 3rd tokens are tested against
+    the target's exact 2- and 3-step marginals (chi-square goodness of fit)."""
+    g = torch.Generator().manual_seed(3)
+    vocab, n, pending = 6, 30000, 0
+    logits = torch.randn(vocab, vocab, generator=g) * 1.5  # target: next-token logits given the previous token
+    P = torch.softmax(logits, -1)
+    Q = torch.softmax(logits + 0.4 * torch.randn(vocab, vocab, generator=g), -1)  # a close, imperfect drafter
+    seen = torch.zeros(2, vocab)
+    deep = 0
+    for _ in range(n):
+        drafts, prev = [], pending
+        for _ in range(3):
+            prev = int(torch.multinomial(Q[prev], 1, generator=g))
+            drafts.append(prev)
+        chain = [pending] + drafts  # the target's logits at each verified position follow the chain
+        accepted, nxt = accept_sampling(torch.tensor(drafts), Q[chain[:3]], logits[chain], 1.0, 1.0, g)
+        committed = drafts[:accepted] + [nxt]
+        if len(committed) < 3:  # the step ended early: the next tokens come from the target itself
+            prev = committed[-1]
+            while len(committed) < 3:
+                prev = int(torch.multinomial(P[prev], 1, generator=g))
+                committed.append(prev)
+        deep += accepted >= 2
+        seen[0, committed[1]] += 1
+        seen[1, committed[2]] += 1
+    assert deep > n // 3, deep  # depth 2 was accepted often: the test covers it
+    two = P[pending] @ P  # exact marginal of the 2nd token
+    three = two @ P
+    for row, want in zip(seen, (two, three)):
+        assert chisquare(row.numpy(), (want * n).numpy()).pvalue > 1e-3, (row, want * n)
