@@ -10,7 +10,7 @@ exactly as ``simulated_acceptance`` scores the chain; an EAGLE-2-style dynamic t
 size does at least as well, so these are floors on what a tree of that size gets.
 
 The reference engine verifies up to 6 query rows in one pass over the weights (docs/benchmarks.md,
-"Findings"), so shapes of up to 5 nodes cost about what the chain costs to verify.
+"Verify cost by query tokens"), so shapes of up to 5 nodes cost about what the chain costs to verify.
 
     python -m bench.draft_tree [--drafter DIR] [--shapes 1,1,1,1 2,1,1,1 3,2,1,1]
 """

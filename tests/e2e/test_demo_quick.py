@@ -103,7 +103,7 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     # live, the swapped-in drafter's drafts are accepted (a broken swap or drafter reads 1.0). Not compared
     # with the static drafter's reading: at 6 concurrent rows on a busy machine the cost scheduler drafts few
     # rows, mostly one draft deep, and over the few hundred verified rows a quick run sees the two readings
-    # have differed by -0.25 to +0.2 while the comparison said 1.1-1.2x (docs/benchmarks.md, Sessions 21-22)
+    # have differed by -0.25 to +0.2 while the comparison said 1.1-1.2x (docs/benchmarks.md, "Quick demo")
     live = summary["live"]
     assert live["after_shift_adapted"] > 1.05 and live["after_shift_static"] > 1.05, live
     # served as a client gets it (cost scheduler + gate): lossless, with a ratio per workload x drafter

@@ -185,7 +185,7 @@ def guidellm() -> str:
 def test_guidellm_load_generator_gets_no_failed_request(tiny, tmp_path) -> None:
     """guidellm (vLLM's load generator) as its users run it: 4 concurrent streams, synthetic
     prompts of a fixed token count, fixed output length (it sends ignore_eos, max_completion_tokens
-    and stream_options.continuous_usage_stats, each a 400 before issue 21)."""
+    and stream_options.continuous_usage_stats, each once answered with a 400)."""
     requests, out_tokens, report = 12, 8, tmp_path / "guidellm.json"
     argv = [guidellm(), "run", "--backend", f"kind=openai_http,target={tiny.url},request_format=/v1/chat/completions",
             "--profile", "kind=concurrent,streams=4", "--constraint", f"kind=max_requests,count={requests}",

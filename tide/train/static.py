@@ -106,10 +106,10 @@ class StaticRecipe:
         return self.max_prompt_tokens + max(self.max_new_tokens, self.max_reply_tokens)
 
 
-# the recipe of the drafter packaged until Session 17 (1200 self-generated answers, 3 epochs in fp32):
+# the first packaged drafter's recipe (1200 self-generated answers, 3 epochs in fp32):
 # kept reachable for comparisons
 SELF_GENERATED_RECIPE = StaticRecipe()
-# the recipe packaged in Sessions 18-19: more of what won at equal compute (the
+# the recipe packaged before `large`: more of what won at equal compute (the
 # target's own answers, more passes over them) in the same CPU budget: generation on two cores,
 # training under bf16 autocast where the CPU multiplies bf16 natively, the schedule capped in time
 # so a slower machine stays within the budget (the cap sets the step count: the machine's speed does)

@@ -1,4 +1,4 @@
-"""The engine's HTTP front end against what real clients and hostile ones send (issue 21, parts 1-2).
+"""The engine's HTTP front end against what real clients and hostile ones send.
 
 A real uvicorn server on loopback with FakeEngine behind it (tests/unit/engine/fake_engine.py);
 hostile bodies go through raw sockets, because HTTP clients will not send a chunked body they are

@@ -1,4 +1,4 @@
-"""Slow and too many clients against the engine's HTTP server (issue 21, part 2: connection limits and
+"""Slow and too many clients against the engine's HTTP server (connection limits and
 read deadlines; tide/engine/http_conn.py, tide/engine/http_guard.py).
 
 A real uvicorn server on loopback with FakeEngine behind it (tests/unit/engine/fake_engine.py) and
