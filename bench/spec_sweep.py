@@ -1,17 +1,24 @@
-"""Concurrency sweep: target-only, fixed γ, today's stop rule and the cost scheduler, side by side.
+"""Concurrency sweep: the engine's schedulers side by side against target-only, by concurrency.
 
-For each concurrency B and round, the same B held-out prompts go through four reference engines
-(one per mode, all alive at once and serving every concurrency, the mode order rotated per round
-so drift in machine load hits all alike). Decode tokens/s of a round = tokens after every request's first token / seconds from
-then until the last finishes (prefill excluded). Ratios to target-only come with 90% paired
-bootstrap intervals over rounds. The cost engine measures its step cost at start-up and keeps it
-and its running acceptance current from its own steps across the concurrencies.
+Modes (``--modes``; default: target-only, today's cost scheduler and the engine's default, DSpark's
+admission with a packed verify): ``target``, ``fixed`` (γ every step), ``stop_rule``, ``cost``,
+``dspark``, and ``dspark-nohead`` (DSpark with the same drafter's confidence head withheld: its
+drafts ranked on the top-probability chain). For each concurrency B and round, the same B
+held-out prompts go through one reference engine per mode (all alive at once and serving every
+concurrency, the mode order rotated per round so drift in machine load hits all alike). Decode
+tokens/s of a round = tokens after every request's first token / seconds from then until the last
+finishes (prefill excluded). Ratios come with 90% paired bootstrap intervals over rounds: every
+mode over target-only, DSpark over the cost scheduler and over itself without the head. Greedy
+outputs are compared with target-only's request by request (``identical`` counts). The costed
+engines measure their step cost at start-up and keep it and their running acceptance current
+from their own steps across the concurrencies.
 
-    python -m bench.spec_sweep --workload chat --batch 1,2,4,8 --rounds 4 [--json out.json]
+    python -m bench.spec_sweep --workload chat --batch 1,2,4,8 --rounds 6 [--drafter DIR] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import threading
 import time
@@ -27,19 +34,21 @@ from tide.engine.reference import ReferenceEngine, load_target
 from tide.report import ModeResult, ratio_interval
 from tide.train.offline import render_prompt
 
-MODES = ("target", "fixed", "stop_rule", "cost")
+MODES = ("target", "fixed", "stop_rule", "cost", "dspark", "dspark-nohead")
+PAIRS = (("dspark", "cost"), ("dspark", "dspark-nohead"), ("cost", "stop_rule"))  # (over, under) when both run
 
 
 def run_round(engine, prompts, n, workload, tag):
-    """Decode ``prompts`` concurrently; returns (tokens after all first tokens, seconds)."""
+    """Decode ``prompts`` concurrently; returns (tokens after all first tokens, seconds, each request's tokens)."""
     firsts, lock, started = [0], threading.Lock(), threading.Event()
-    counts, t_start = [0] * len(prompts), [0.0]
+    counts, t_start, outs = [0] * len(prompts), [0.0], [[] for _ in prompts]
 
     def one(k, ids):
         req = GenerationRequest(f"{tag}-{k}", tuple(ids), SamplingParams(max_new_tokens=n, ignore_eos=True),
                                 workload=workload)
         first = True
         for ev in engine.submit(req):
+            outs[k].extend(ev.token_ids)
             if first:
                 first = False
                 with lock:
@@ -53,23 +62,40 @@ def run_round(engine, prompts, n, workload, tag):
     threads = [threading.Thread(target=one, args=(k, ids)) for k, ids in enumerate(prompts)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    return sum(counts), time.perf_counter() - t_start[0]
+    return sum(counts), time.perf_counter() - t_start[0], outs
 
 
-def _cell(res, health, rows_out, b) -> dict:
-    cell = {k: health.get(k) for k in ("speculation", "acceptance_by_depth", "speculation_events", "step_cost",
-                                  "drafted_tok_s_by_rows")}
-    for m in MODES:
+def build_engines(modes, target, tok, drafter, version, size: dict, stop_prob: float) -> dict:
+    """One engine per mode; the costed ones profile their step cost here."""
+    engines = {}
+    for m in modes:
+        if m == "target":
+            engines[m] = ReferenceEngine(target, tok, None, "none", **size)
+            continue
+        d = drafter
+        if m == "dspark-nohead":
+            d = copy.deepcopy(drafter)
+            d.confidence = None
+        engines[m] = ReferenceEngine(target, tok, d, version, **size, scheduler=m.removesuffix("-nohead"),
+                                     draft_stop_prob=stop_prob)
+    return engines
+
+
+def _cell(modes, res, identical, health, rows_out, b) -> dict:
+    cell = {"health": health, "identical_to_target": identical}
+    for m in modes:
         ratio = res[m].tokens_per_s / res["target"].tokens_per_s
         lo, hi = ratio_interval(res[m], res["target"], "tokens_per_s") if m != "target" else (1.0, 1.0)
         cell[m] = {"tok_s": res[m].tokens_per_s, "ratio": ratio, "interval_90": [lo, hi],
                    "round_tokens": res[m].prompt_tokens, "round_s": res[m].prompt_decode_s}
-        rows_out.append((b, m, f"{res[m].tokens_per_s:.2f}", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"))
-    for other in ("fixed", "stop_rule"):
-        lo, hi = ratio_interval(res["cost"], res[other], "tokens_per_s")
-        ratio = res["cost"].tokens_per_s / res[other].tokens_per_s
-        cell[f"cost_over_{other}"] = {"ratio": ratio, "interval_90": [lo, hi]}
-        rows_out.append((b, f"cost / {other}", "", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}"))
+        same = f"{identical[m]}/{len(res[m].prompt_tokens) * b}" if m != "target" else ""
+        rows_out.append((b, m, f"{res[m].tokens_per_s:.2f}", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}", same))
+    for over, under in PAIRS:
+        if over in modes and under in modes:
+            lo, hi = ratio_interval(res[over], res[under], "tokens_per_s")
+            ratio = res[over].tokens_per_s / res[under].tokens_per_s
+            cell[f"{over}_over_{under}"] = {"ratio": ratio, "interval_90": [lo, hi]}
+            rows_out.append((b, f"{over} / {under}", "", f"{ratio:.3f}", f"{lo:.3f}-{hi:.3f}", ""))
     return cell
 
 
@@ -79,11 +105,15 @@ def main() -> int:
     ap.add_argument("--batch", default="1,2,4,8")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--gamma", type=int, default=4, help="fixed and stop-rule draft length; the scheduler's most")
+    ap.add_argument("--gamma", type=int, default=4, help="fixed and stop-rule draft length; the schedulers' most")
+    ap.add_argument("--modes", default="target,cost,dspark", help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the static drafter)")
     ap.add_argument("--max-seq-len", type=int, default=384)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    modes = tuple(dict.fromkeys(["target", *args.modes.split(",")]))
+    if not set(modes) <= set(MODES):
+        ap.error(f"--modes must be from {MODES}, got {args.modes}")
     cfg = load_config(overrides={"model": {"torch_threads": 1}})
     batches = [int(b) for b in args.batch.split(",")]
     target, tok, _ = load_target(cfg)
@@ -95,42 +125,43 @@ def main() -> int:
         ap.error(f"{args.workload} has {len(held)} held-out prompts; --rounds {args.rounds} x batch {max(batches)} "
                  f"needs {args.rounds * max(batches)}")
     prompts = [render_prompt(tok, p.chat_messages(), 256) for p in held]
-    common = dict(target_model_id=cfg.model.model_id, draft_len=args.gamma, max_seq_len=args.max_seq_len, eos_ids=())
+    size = dict(target_model_id=cfg.model.model_id, draft_len=args.gamma, max_seq_len=args.max_seq_len, eos_ids=(),
+                max_batch_size=max(batches))
     # one engine per mode with room for the largest batch, serving B concurrent requests at each
-    # concurrency: the cost engine measures its step cost at start-up and keeps its running
-    # acceptance across concurrencies, as a serving engine whose load changes does
+    # concurrency: the costed engines keep their step costs and acceptance across concurrencies,
+    # as a serving engine whose load changes does
     t0 = time.perf_counter()
-    size = dict(common, max_batch_size=max(batches))
-    engines = {
-        "target": ReferenceEngine(target, tok, None, "none", **size),
-        "fixed": ReferenceEngine(target, tok, drafter, version, **size, scheduler="fixed"),
-        "stop_rule": ReferenceEngine(target, tok, drafter, version, **size, scheduler="stop_rule",
-                                     draft_stop_prob=cfg.spec.draft_stop_prob),
-        "cost": ReferenceEngine(target, tok, drafter, version, **size, scheduler="cost"),
-    }
+    engines = build_engines(modes, target, tok, drafter, version, size, cfg.spec.draft_stop_prob)
     profile_s = time.perf_counter() - t0
-    results, rows_out, health = {}, [("B", "mode", "tok/s", "x target-only", "90% interval")], {}
+    results, rows_out = {}, [("B", "mode", "tok/s", "x target-only", "90% interval", "identical")]
     try:
         for b in batches:
-            res = {m: ModeResult() for m in MODES}
+            res, identical = {m: ModeResult() for m in modes}, {m: 0 for m in modes}
             for r in range(args.rounds):
                 group = prompts[r * b:(r + 1) * b]
-                order = MODES[r % 4:] + MODES[:r % 4]
+                order = modes[r % len(modes):] + modes[:r % len(modes)]
+                outs = {}
                 for m in order:
-                    n, s = run_round(engines[m], group, args.max_new_tokens, args.workload, f"{m}{b}r{r}")
+                    n, s, outs[m] = run_round(engines[m], group, args.max_new_tokens, args.workload, f"{m}{b}r{r}")
                     res[m].add(tokens=n, decode_s=s, forwards=0, committed=0)
-            health = engines["cost"].health()
-            results[b] = _cell(res, health, rows_out, b)
-            print(f"B={b} done: {results[b]['cost']['ratio']:.3f}x, gate {results[b]['speculation']}", flush=True)
+                for m in modes:
+                    identical[m] += sum(a == t for a, t in zip(outs[m], outs["target"]))
+            health = {m: {k: e.health().get(k) for k in ("speculation", "acceptance_by_depth", "confidence_head",
+                                                          "drafted_tok_s_by_rows", "judged_rows")}
+                      for m, e in engines.items() if m != "target"}
+            results[b] = _cell(modes, res, identical, health, rows_out, b)
+            print(f"B={b} done: " + ", ".join(f"{m} {results[b][m]['ratio']:.3f}x" for m in modes if m != "target"),
+                  flush=True)
     finally:
         for e in engines.values():
             e.close()
     print_table(f"concurrency sweep ({args.workload}, {args.rounds} rounds, {args.max_new_tokens} new tokens, "
-                f"gamma {args.gamma}, engines + cost profile {profile_s:.1f} s)", rows_out)
-    write_json(args.json, {"workload": args.workload, "rounds": args.rounds, "gamma": args.gamma,
+                f"gamma {args.gamma}, engines + cost profiles {profile_s:.1f} s)", rows_out)
+    step_cost = {m: engines[m].health().get("step_cost") for m in modes if m in ("cost", "dspark")}
+    write_json(args.json, {"workload": args.workload, "rounds": args.rounds, "gamma": args.gamma, "modes": modes,
                            "max_new_tokens": args.max_new_tokens, "drafter": str(path),
-                           "stop_prob": cfg.spec.draft_stop_prob, "profile_s": profile_s,
-                           "step_cost": health.get("step_cost"), "cells": results})
+                           "stop_prob": cfg.spec.draft_stop_prob, "default_scheduler": cfg.spec.scheduler,
+                           "profile_s": profile_s, "step_cost": step_cost, "cells": results})
     return 0
 
 

@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 
 from tide import workloads
+from tide.config import SpecConfig
 from tide.report import compare, compare_served, ratio_interval
 
-SERVED_SCHEDULER = "cost"  # the demo's engine and its served comparison decide draft lengths by cost
+# the demo's engine and its served comparison run the engine's default scheduler, as an operator gets it
+SERVED_SCHEDULER = SpecConfig().scheduler
 
 
 def say(msg: str) -> None:

@@ -43,8 +43,8 @@ class ModelConfig:
     torch_threads: int = 1
 
 
-# siblings ride in the room a chain's verify leaves in its passes over the weights (tide/spec/tree.py),
-# and a pass holds 6 query rows (tide/models/rowkernel.py PASS_ROWS): more than 5 never fit
+# siblings ride in the room a chain's verify leaves in its passes over the weights (tide/spec/tree.py);
+# a bound on the setting only: the engine budgets them to its own kernel's pass width
 MAX_DRAFT_SIBLINGS = 5
 
 
@@ -58,18 +58,22 @@ class SpecConfig:
     draft_stop_prob: float = 0.3
     enabled: bool = True
     # how long each step drafts (tide/spec/policy.py): fixed = always draft_len; stop_rule = a row
-    # stops below draft_stop_prob; cost = the cost scheduler: drafts only as deep as the expected
-    # accepted tokens pay for the engine's measured step cost under the current batch (so high
-    # concurrency goes target-only), and switches speculation off per workload where the drafter's
-    # live acceptance does not pay. draft_len stays the most it drafts. Lossless in every mode.
-    scheduler: str = "stop_rule"
+    # stops below draft_stop_prob; cost = one draft depth per step for the whole padded batch, as
+    # deep as the expected accepted tokens pay for the engine's measured step cost; dspark (the
+    # default) = every (request, position) admitted by calibrated survival while expected tokens x
+    # steps/s rises, verified packed. cost and dspark switch speculation off per workload where
+    # the drafter's live acceptance does not pay. draft_len stays the most drafted. Lossless in every mode.
+    scheduler: str = "dspark"
     # the drafter's next-best first tokens verified beside its chain (a depth-1 draft tree,
     # tide/spec/tree.py): no extra drafter step, ``draft_siblings`` more verify rows; fixed and
-    # stop_rule schedulers only (the cost scheduler prices the chain alone). 0 = the chain only
+    # stop_rule schedulers only (cost and dspark price the chain alone). 0 = the chain only
     draft_siblings: int = 0
-    # cost scheduler only: while a workload's speculation is off, every this-many steps of it draft
-    # anyway so its acceptance stays measured (>= 1)
+    # cost and dspark: while a workload's speculation is off (dspark: or nothing of it is admitted),
+    # every this-many steps of it draft anyway so its acceptance stays measured (>= 1)
     gate_probe_steps: int = 64
+    # dspark: the probe interval until a newly served drafter has ops.guard_window_forwards verified
+    # rows, so the collapse guard judges (and rolls back) a broken drafter within a bound (>= 1)
+    judge_probe_steps: int = 4
 
     def __post_init__(self) -> None:
         if self.draft_len < 1:
@@ -80,6 +84,8 @@ class SpecConfig:
             raise ConfigError(f"spec.draft_siblings must be in 0..{MAX_DRAFT_SIBLINGS}, got {self.draft_siblings}")
         if self.gate_probe_steps < 1:
             raise ConfigError(f"spec.gate_probe_steps must be >= 1, got {self.gate_probe_steps}")
+        if self.judge_probe_steps < 1:
+            raise ConfigError(f"spec.judge_probe_steps must be >= 1, got {self.judge_probe_steps}")
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,7 @@ class TrainConfig:
     step_weight_decay: float = 0.8
     # warm starts on small fresh windows: a low rate over several passes adapts to the new traffic
     # while keeping the old; higher rates forgot the old workload for no gain on the new one
-    # (docs/benchmarks.md, "Findings")
+    # (docs/benchmarks.md, "Retrain settings on a demo window")
     lr: float = 1e-3
     epochs: int = 8  # passes over the window; a max_train_s cap shrinks the schedule to fit
     # each step pulls the weights back toward the warm start by lr x anchor of their distance
@@ -272,11 +278,13 @@ class TrainConfig:
     ce_weight: float = 1.0
     feature_weight: float = 0.0
     train_head: bool = True
-    # fit a calibrated confidence head for the candidate (tide/train/confidence.py); a drafter
-    # with one stops greedy drafts on chain survival instead of the raw top probability, so it
-    # stays off until bench/spec_decode shows that rule no slower than the plain one
-    confidence_head: bool = False
+    # fit a calibrated confidence head for the candidate (tide/train/confidence.py): the dspark
+    # scheduler ranks drafts by its survivals; a head whose held-out ECE exceeds 0.05 is registered
+    # but not served (the top-probability chain is)
+    confidence_head: bool = True
     data_dir: str = ""  # empty = the ingest data_dir (<home>/dataset)
+    # the dataset table version a retrain reads; -1 = the newest (a re-run names the registered one)
+    data_version: int = -1
     # where a retrain runs (tide/train/device.py): auto = the GPU when PyTorch sees one (ROCm
     # builds call AMD GPUs cuda too); cuda without one fails. bf16 = autocast, fp32 master weights
     device: str = "auto"  # auto | cpu | cuda
@@ -428,7 +436,7 @@ class TideConfig:
 
 # string fields with a closed set of values: anything else is refused when the config is read
 CHOICES = {"train.device": ("auto", "cpu", "cuda"), "train.precision": ("fp32", "bf16", "auto"),
-           "train.backend": ("tide", "specforge"), "spec.scheduler": ("fixed", "stop_rule", "cost")}
+           "train.backend": ("tide", "specforge"), "spec.scheduler": ("fixed", "stop_rule", "cost", "dspark")}
 
 
 class ConfigError(ValueError):

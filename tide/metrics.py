@@ -38,6 +38,9 @@ ENGINE_DRAFTER_INFO = Gauge("tide_engine_drafter_info", "1 for the drafter versi
 ENGINE_DRAFTER_LOADS = Counter(
     "tide_engine_drafter_loads_total", "Drafter loads inside the engine process (SGLang's TIDE loader), by outcome",
     ["outcome"])
+ENGINE_CONFIDENCE_HEAD = Gauge(
+    "tide_engine_confidence_head", "1 while the drafter version's confidence head ranks its drafts, 0 while "
+    "the top-probability chain does (no head, or its held-out ECE is unrecorded or above 0.05)", ["drafter_version"])
 ENGINE_SWAP_FAILURES = Counter(
     "tide_engine_swap_failures_total", "Drafter swaps the decode loop could not apply (the old drafter kept serving)")
 ENGINE_FAILED = Gauge(

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 from stack_ports import stack_port_flags
 
-from tide.dataset import DatasetIndex
+from tide.config import SpecConfig
+from tide.dataset import DatasetTable
 from tide.demo import DemoSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +82,7 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     assert summary["traffic"]["before"]["failed"] == 0 and summary["traffic"]["after"]["failed"] == 0
     files = sorted((home / "demo" / "dataset").rglob("*.parquet"))  # the run's own state
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    assert rows > 0 and DatasetIndex(home / "demo" / "dataset").summary()["rows"] == rows  # captured -> Kafka -> Parquet
+    assert rows > 0 and DatasetTable(home / "demo" / "dataset").summary()["rows"] == rows  # captured -> Kafka -> Parquet
     loop = summary["loop"]  # traffic ran until the swapped-in drafter had shown enough, not a count
     assert loop["closed"] and loop["reason"] is None and loop["served_after_swap"] >= 8, loop
     assert summary["retrains_finished"] >= 1  # the scheduler launched a retrain that ran to the end
@@ -101,19 +102,19 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
         for drafter in ("static", "adapted"):
             assert comparison[workload][drafter]["tokens_per_forward"] > 1.05, (workload, drafter, comparison)
     # live, the swapped-in drafter's drafts are accepted (a broken swap or drafter reads 1.0). Not compared
-    # with the static drafter's reading: at 6 concurrent rows on a busy machine the cost scheduler drafts few
+    # with the static drafter's reading: at 6 concurrent rows on a busy machine the default scheduler drafts few
     # rows, mostly one draft deep, and over the few hundred verified rows a quick run sees the two readings
     # have differed by -0.25 to +0.2 while the comparison said 1.1-1.2x (docs/benchmarks.md, "Quick demo")
     live = summary["live"]
     assert live["after_shift_adapted"] > 1.05 and live["after_shift_static"] > 1.05, live
-    # served as a client gets it (cost scheduler + gate): lossless, with a ratio per workload x drafter
+    # served as a client gets it (the default scheduler + gate): lossless, with a ratio per workload x drafter
     served = summary["comparison"]["served"]
     assert set(served["tok_s_over_target"]) == {f"{w}_{d}" for w in ("chat", "code") for d in ("static", "adapted")}
     for w, modes in served["modes"].items():
         assert all(m["identical_to_target"] == m["prompts"] > 0 for m in modes.values()), (w, modes)
     # the report says per workload when the serving engine's speculation was on or off, and why
     spec = summary["speculation"]
-    assert spec["scheduler"] == "cost" and {"chat", "code"} <= set(spec["timeline"]), spec
+    assert spec["scheduler"] == SpecConfig().scheduler and {"chat", "code"} <= set(spec["timeline"]), spec
     assert spec["timeline"]["chat"][0]["reason"] == "default" and spec["timeline"]["chat"][0]["t_s"] >= -1, spec
     # the operator's dashboard saw it too: the stack's Prometheus recorded acceptance by version
     board = summary["dashboard"]

@@ -137,7 +137,7 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     trained, parent = load_drafter(local, spec), load_drafter(registry.download(1), spec)
     assert mapping_digest(trained.d2t) == mapping_digest(parent.d2t)
     assert not torch.equal(trained.fc.weight, parent.fc.weight)  # it did train
-    assert trained.confidence is None  # train.confidence_head is off by default
+    assert trained.confidence is not None  # train.confidence_head is on by default: the head is fitted
     # stored in bf16, and the registered metrics were measured on those rounded weights
     from safetensors import safe_open
     with safe_open(str(local / "model.safetensors"), "pt") as f:

@@ -8,9 +8,11 @@ so the head starts from that signal and only learns what it misses. One temperat
 so the product over depths is a chain's survival.
 
 Stored beside the drafter, not in ``model.safetensors`` (SGLang loads every tensor there), as
-``confidence/head.safetensors`` whose sha256 ``tide.json`` records; the calibration report goes
-into ``tide.json`` too. A drafter folder without it has no head, and serving keeps the plain
-stop rule.
+``confidence/head.safetensors`` whose sha256 ``tide.json`` records; the head's held-out ECE rides
+in that file's safetensors header (``heldout_ece``), so it travels with the head whoever writes
+``tide.json``. Serving uses a head only where that ECE is recorded and at most ``MAX_HEAD_ECE``
+(``serving_head``); otherwise, or without a head, the schedulers read the drafter's top-probability
+chain (scaled on live traffic) instead.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -29,6 +32,10 @@ HEAD_WEIGHTS = "head.safetensors"
 CONFIDENCE_SHA = "confidence_sha256"  # the tide.json key of the head's checksum
 MAX_DEPTH = 64
 MAX_HEAD_BYTES = 1 << 20  # a head is 2H+1 floats: far below this for any drafter TIDE bounds
+# a head calibrated worse than this on held-out data is not served: its survivals would mislead
+# the admission more than the top-probability chain, which live traffic scales
+MAX_HEAD_ECE = 0.05
+ECE_KEY = "heldout_ece"  # the head file's header entry
 
 
 class ConfidenceHead(nn.Module):
@@ -37,6 +44,7 @@ class ConfidenceHead(nn.Module):
         self.hidden_size = hidden_size
         self.proj = nn.Linear(2 * hidden_size + 1, 1)
         self.register_buffer("temperature", torch.ones(depth))
+        self.heldout_ece: float | None = None  # set by the fit that measured it (tide/train/confidence.py)
 
     def logit(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x).squeeze(-1)
@@ -62,6 +70,7 @@ class Confidence:
     weight: torch.Tensor  # [2H+1]
     bias: float
     temperature: torch.Tensor  # [depth]
+    heldout_ece: float | None = None  # the ECE its fit measured on held-out answers; None: never measured
 
     @torch.inference_mode()
     def survival(self, hidden: torch.Tensor, embeds: torch.Tensor, logits: torch.Tensor, depth: int,
@@ -72,8 +81,20 @@ class Confidence:
 
 
 def frozen(head: ConfidenceHead) -> Confidence:
-    return Confidence(head.proj.weight.detach().flatten().float().clone(), float(head.proj.bias),
-                      head.temperature.detach().float().clone())
+    return Confidence(head.proj.weight.detach().flatten().float().clone(), float(head.proj.bias.detach()),
+                      head.temperature.detach().float().clone(), head.heldout_ece)
+
+
+def serving_head(conf: Confidence | None) -> tuple[Confidence | None, str]:
+    """(the head to serve with, why): a head only where its held-out ECE is recorded and at most
+    ``MAX_HEAD_ECE``; else None (the top-probability chain serves) and the reason."""
+    if conf is None:
+        return None, "no confidence head"
+    if conf.heldout_ece is None:
+        return None, "confidence head has no held-out ECE recorded"
+    if not conf.heldout_ece <= MAX_HEAD_ECE:
+        return None, f"confidence head's held-out ECE {conf.heldout_ece:.4f} > {MAX_HEAD_ECE}"
+    return conf, f"confidence head, held-out ECE {conf.heldout_ece:.4f}"
 
 
 def save_confidence(conf: Confidence, folder: Path) -> str:
@@ -82,7 +103,8 @@ def save_confidence(conf: Confidence, folder: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": conf.weight.contiguous(), "bias": torch.tensor([conf.bias]),
                "temperature": conf.temperature.contiguous()}
-    save_file(tensors, str(out / HEAD_WEIGHTS))
+    header = {ECE_KEY: repr(float(conf.heldout_ece))} if conf.heldout_ece is not None else None
+    save_file(tensors, str(out / HEAD_WEIGHTS), metadata=header)
     return hashlib.sha256((out / HEAD_WEIGHTS).read_bytes()).hexdigest()
 
 
@@ -109,4 +131,19 @@ def load_confidence(folder: Path, hidden_size: int, expect_sha256: str | None) -
                          f"temperature {tuple(temp.shape)} do not fit hidden size {hidden_size}")
     if not all(bool(torch.isfinite(x).all()) for x in (weight, bias, temp)) or bool((temp <= 0).any()):
         raise ValueError(f"{path}: non-finite values or a non-positive temperature")
-    return Confidence(weight.float(), float(bias), temp.float())
+    return Confidence(weight.float(), float(bias), temp.float(), _heldout_ece(path))
+
+
+def _heldout_ece(path: Path) -> float | None:
+    """The head file's recorded held-out ECE (None when absent; an unreadable one is refused)."""
+    with safe_open(str(path), "pt") as f:
+        value = (f.metadata() or {}).get(ECE_KEY)
+    if value is None:
+        return None
+    try:
+        ece = float(value)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {ECE_KEY} {value!r} is not a number") from exc
+    if not 0.0 <= ece <= 1.0:
+        raise ValueError(f"{path}: {ECE_KEY} {ece} is outside [0, 1]")
+    return ece

@@ -5,7 +5,9 @@ A drafter's acceptance counts only the rows whose drafts were verified: a row th
 gate ran target-only says nothing about the drafter, nor does a row of a drafted step that kept no
 draft (its workload gated off beside one that drafts, or the cost plan truncating every draft after
 a peek): counted, such rows would pull the reading toward 1 by how the step was scheduled, not by
-what the drafter proposes. The swap guard and the dashboards judge a drafter by this.
+what the drafter proposes. The swap guard and the dashboards judge a drafter by this; a probe
+step's rows (a gated-off workload made to verify a draft, tide/spec/policy.py) are counted like any
+drafted row, which is what keeps the guard judging a drafter whose speculation is off.
 """
 from __future__ import annotations
 

@@ -4,18 +4,20 @@ One scheduler thread owns the model state. Each loop iteration:
 1. apply a pending drafter swap (between decode steps): new drafter cache, and every running
    request re-feeds its whole history of target states to the new drafter on its next step;
 2. admit waiting requests into free cache slots: prefill each, emit its first token;
-3. run one batched step over all running requests (``speculative_step``, or ``target_step``
-   when no drafter serves, the scheduler decides drafting does not pay (tide/spec/policy.py),
-   or the drafter failed this step), emit the committed tokens;
+3. run one batched step over all running requests (``speculative_step`` under the step's planner,
+   or ``target_step`` when no drafter serves, the scheduler decides drafting does not pay
+   (tide/spec/policy.py), or the drafter failed this step), emit the committed tokens;
 4. hand the committed positions to the capture sink (enqueue only), update stats/metrics;
 5. finish requests on a stop token, their token budget or the context limit, and free slots.
 Callers get a blocking iterator of TokenEvents; closing it early cancels the request.
+Injected into the decoding core from here: the target kernel's pass width (it prices draft siblings)
+and the confidence head that serves (none when its held-out ECE fails the bar: said in health).
+Where committed tokens go (caller, capture, accounting) is ``tide/engine/outputs.py``.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import queue
 import threading
 import time
@@ -27,6 +29,7 @@ import torch
 from tide import metrics
 from tide.config import MAX_DRAFT_SIBLINGS
 from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter, read_metadata
+from tide.drafter.confidence import Confidence, serving_head
 from tide.drafter.model import Eagle3Drafter, for_serving
 from tide.drafter.vocab import mapping_digest
 from tide.engine.accounting import EngineAccounting
@@ -40,13 +43,15 @@ from tide.engine.base import (
     StepCapture,
     TokenEvent,
 )
-from tide.engine.running import Events, Running, build_feed, defer_feed, new_running
+from tide.engine.outputs import RequestOutputs
+from tide.engine.running import Events, Running, advance, build_feed, captured, check_request, new_running
 from tide.models.llama import LlamaTarget
+from tide.models.rowkernel import PASS_ROWS
 from tide.models.target import eos_ids_of, load_target  # noqa: F401  (re-exported)
 from tide.spec.cost import StepCostModel, profile
 from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step, target_step
 from tide.spec.generate import generate
-from tide.spec.policy import SpecPolicy
+from tide.spec.policy import COSTED, SpecPolicy
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,8 @@ class ReferenceEngine(Engine):
                  *, target_model_id: str, draft_len: int = 4, draft_stop_prob: float = 0.0,
                  max_batch_size: int = 8, max_seq_len: int = 1024, eos_ids: tuple[int, ...] = (),
                  refeed_positions: int = 32, scheduler: str = "stop_rule", cost_model: StepCostModel | None = None,
-                 gate_probe_steps: int = 64, profile_context: int = 128, draft_siblings: int = 0):
+                 gate_probe_steps: int = 64, profile_context: int = 128, draft_siblings: int = 0,
+                 pass_rows: int = PASS_ROWS, judge_rows: int = 200, judge_probe_steps: int = 4):
         self.target = target
         self.tokenizer = tokenizer
         self.target_model_id = target_model_id
@@ -70,6 +76,7 @@ class ReferenceEngine(Engine):
         if not 0 <= draft_siblings <= MAX_DRAFT_SIBLINGS:
             raise ValueError(f"spec.draft_siblings must be in 0..{MAX_DRAFT_SIBLINGS}, got {draft_siblings}")
         self.draft_siblings = draft_siblings
+        self.pass_rows = pass_rows  # query rows one pass of the target's kernel serves (prices siblings)
         self.max_batch_size = max_batch_size
         self.eos_ids = tuple(eos_ids)
         # every swapped-in drafter must keep the mapping the engine started with (t2d/d2t fixed)
@@ -77,32 +84,33 @@ class ReferenceEngine(Engine):
         drafter = for_serving(drafter) if drafter is not None else None
         self._drafter = drafter
         self._version = drafter_version if drafter is not None else "none"
+        self._head, self._head_reason = self._serving_head(drafter)
         self._pending_swap: tuple[Eagle3Drafter | None, str] | None = None
         self._cache_len = max_seq_len + draft_len + draft_siblings + 2
         self._tcache = target.new_cache(max_batch_size, self._cache_len)
         self._dcache = drafter.new_cache(max_batch_size, self._cache_len) if drafter is not None else None
         self._inbox: "queue.Queue[Running]" = queue.Queue()
-        self._running: dict[int, Running] = {}
-        self._sink: CaptureSink | None = None
         self._acct = EngineAccounting()
+        self._out = RequestOutputs(self._acct, self.eos_ids, max_seq_len, target.shape.hidden_size)
         self._lock = threading.Lock()  # guards _pending_swap only (never held in a step)
         self._stop = threading.Event()
         self._failure: str | None = None  # why the decode loop died; set once, never cleared
         self._swap_error: str | None = None  # the last swap that could not be applied, and why
         self._last_swap_pause_s = 0.0
         self.refeed_positions = refeed_positions
-        if scheduler == "cost":
+        if scheduler in COSTED:
             cost_model = cost_model or StepCostModel(max_batch_size, draft_len)
             if not cost_model.measured():  # before the decode thread: the caches are not in use yet
                 profile(target, drafter, self._tcache, self._dcache, cost_model,
-                        min(profile_context, max_seq_len - draft_len - 2), refeed_positions=refeed_positions)
-        self._policy = SpecPolicy(scheduler, draft_len, draft_stop_prob, cost_model, gate_probe_steps)
+                        min(profile_context, max_seq_len - draft_len - 2), refeed_positions=refeed_positions,
+                        packed=scheduler == "dspark", head=self._head)
+        self._policy = SpecPolicy(scheduler, draft_len, draft_stop_prob, cost_model, gate_probe_steps,
+                                  judge_rows, judge_probe_steps)
         self._policy.drafter_changed(self._version)
         self._thread = threading.Thread(target=self._loop, name="tide-engine", daemon=True)
         self._thread.start()
         metrics.ENGINE_DRAFTER_INFO.labels(self._version).set(1)
 
-    # --- interface --------------------------------------------------------------------------
     @property
     def drafter_version(self) -> str:
         return self._version
@@ -138,13 +146,7 @@ class ReferenceEngine(Engine):
             raise EngineFailed(f"engine failed: {self._failure}")
         if self._stop.is_set():
             raise RuntimeError("engine is closed")
-        total = len(request.prompt_ids) + request.sampling.max_new_tokens
-        if not request.prompt_ids or total > self.max_seq_len:
-            raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens "
-                             f"({request.sampling.max_new_tokens}) must be in 1..{self.max_seq_len}")
-        sp = request.sampling
-        if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):  # would reach sampling as NaN
-            raise ValueError(f"temperature and top_p must be finite, got {sp.temperature}, {sp.top_p}")
+        check_request(request, self.max_seq_len)
         meta = CaptureMeta(request_id=request.request_id, target_model_id=self.target_model_id,
                            drafter_version=self._version, aux_layer_ids=self.target.aux_layer_ids,
                            workload=request.workload, prompt_len=len(request.prompt_ids),
@@ -153,7 +155,7 @@ class ReferenceEngine(Engine):
         self._inbox.put(running)
         metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
         if self._failure is not None:  # the loop died after the check above: nobody takes it now
-            self._fail_waiting()
+            self._out.fail_all(self._inbox, f"engine failed: {self._failure}")
         return Events(running)
 
     def swap_drafter(self, drafter: Eagle3Drafter | None, version: str) -> None:
@@ -163,22 +165,36 @@ class ReferenceEngine(Engine):
             self._pending_swap = (drafter, version)
 
     def set_capture_sink(self, sink: CaptureSink | None) -> None:
-        self._sink = sink
+        self._out.sink = sink
 
     def stats(self) -> EngineStats:
         return self._acct.stats()
 
     def health(self) -> dict:
-        return {"drafter_version": self._version, "running": len(self._running),
+        return {"drafter_version": self._version, "running": len(self._out.running),
                 "waiting": self._inbox.qsize(), "target_model_id": self.target_model_id,
                 "last_swap_pause_s": self._last_swap_pause_s, "swap_error": self._swap_error,
-                "failure": self._failure, **self._policy.view()}
+                "failure": self._failure, "confidence_head": {"in_use": self._head is not None,
+                                                              "reason": self._head_reason},
+                **self._policy.view()}
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
 
-    # --- internals --------------------------------------------------------------------------
+    def _serving_head(self, drafter: Eagle3Drafter | None) -> tuple[Confidence | None, str]:
+        """The confidence head this drafter serves with (tide/drafter/confidence.py), said once."""
+        try:
+            offered = drafter.confidence if drafter is not None else None
+        except Exception as exc:  # noqa: BLE001 - a broken drafter fails in its steps (target-only), not here
+            log.warning("drafter %s: confidence head unreadable (%s)", self._version, exc)
+            offered = None
+        head, reason = serving_head(offered)
+        if head is None and offered is not None:
+            log.warning("drafter %s: %s; its drafts are ranked on the top-probability chain", self._version, reason)
+        metrics.ENGINE_CONFIDENCE_HEAD.labels(self._version).set(1 if head is not None else 0)
+        return head, reason
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
@@ -187,17 +203,15 @@ class ReferenceEngine(Engine):
             log.exception("decode loop failed; the engine stops serving")
             self._failure = f"decode loop failed: {type(exc).__name__}: {exc}"
             metrics.ENGINE_FAILED.set(1)
-            for slot in list(self._running):
-                self._finish(slot, "error", error=f"engine failed: {self._failure}")
-            self._fail_waiting()
+            self._out.fail_all(self._inbox, f"engine failed: {self._failure}")
             return
-        for slot in list(self._running):
-            self._finish(slot, "error", error="engine shutting down")
+        for slot in list(self._out.running):
+            self._out.finish(slot, "error", error="engine shutting down")
 
     def _iterate(self) -> None:
         self._apply_swap()
         self._admit()
-        if not self._running:
+        if not self._out.running:
             try:  # wait for work, put back: _admit takes it next iteration, in FIFO order
                 self._inbox.put(self._inbox.get(timeout=0.05))
             except queue.Empty:
@@ -208,16 +222,6 @@ class ReferenceEngine(Engine):
         except Exception:  # a bug or one bad request must not fail the whole batch
             log.exception("decode step failed; stepping its requests one at a time")
             self._step_each()
-
-    def _fail_waiting(self) -> None:
-        """End every queued request with the engine's failure (called once the loop is gone)."""
-        while True:
-            try:
-                running = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            running.out.put(TokenEvent((), True, "error", f"engine failed: {self._failure}"))
-            self._acct.outcome("error")
 
     def _apply_swap(self) -> None:
         with self._lock:
@@ -236,9 +240,10 @@ class ReferenceEngine(Engine):
         old = self._version
         self._drafter, self._dcache = drafter, dcache
         self._version = version if drafter is not None else "none"
+        self._head, self._head_reason = self._serving_head(drafter)
         self._swap_error = None
         self._policy.drafter_changed(self._version)
-        for r in self._running.values():
+        for r in self._out.running.values():
             # the new drafter has seen nothing: feed it the recent history only, so the step
             # after a swap costs about one normal step; it attends from there on (lossless either way)
             r.row.feed_start = r.row.drafter_first_pos = max(0, r.row.t_len - self.refeed_positions)
@@ -252,7 +257,7 @@ class ReferenceEngine(Engine):
         log.info("drafter swapped %s -> %s in %.1f ms", old, self._version, self._last_swap_pause_s * 1e3)
 
     def _admit(self) -> None:
-        free = [s for s in range(self.max_batch_size) if s not in self._running]
+        free = [s for s in range(self.max_batch_size) if s not in self._out.running]
         while free:
             try:
                 running = self._inbox.get_nowait()
@@ -270,7 +275,7 @@ class ReferenceEngine(Engine):
                 running.out.put(TokenEvent((), True, "error", f"prefill failed: {exc}"))
                 self._acct.outcome("error")
         metrics.ENGINE_QUEUE_DEPTH.set(self._inbox.qsize())
-        metrics.ENGINE_BATCH_SIZE.set(len(self._running))
+        metrics.ENGINE_BATCH_SIZE.set(len(self._out.running))
 
     def _prefill(self, slot: int, r: Running) -> None:
         prompt = list(r.req.prompt_ids)
@@ -285,20 +290,17 @@ class ReferenceEngine(Engine):
         r.row.t_len, r.row.pending, r.row.feed_start = len(prompt), first, 0
         r.hist_tokens.append(first)
         r.hist_aux.append(out.aux_hidden[0])
-        self._running[slot] = r
+        self._out.running[slot] = r
         if r.req.capture:
-            self._offer([StepCapture(r.meta, 0, torch.tensor(prompt), out.aux_hidden[0], out.final_hidden[0],
+            self._out.offer([StepCapture(r.meta, 0, torch.tensor(prompt), out.aux_hidden[0], out.final_hidden[0],
                                      is_prompt=True)])
-        self._emit(slot, [first])
+        self._out.emit(slot, [first], self._version)
 
     def _step_each(self) -> None:
-        """After a failed batched step: step each request alone and fail only those that fail alone.
-
-        Rerunning is safe because a step raises before it commits anything (the commit loop only
-        appends and enqueues); a row stepped alone gives the tokens it would get batched.
-        """
-        for slot in sorted(self._running):
-            r = self._running.get(slot)
+        """After a failed batched step: step each request alone, fail only those that fail alone (safe:
+        a step raises before it commits; a row stepped alone gets the tokens it would get batched)."""
+        for slot in sorted(self._out.running):
+            r = self._out.running.get(slot)
             if r is None:
                 continue
             r.refeed = True  # the failed step may have consumed this row's refeed of its history
@@ -306,22 +308,22 @@ class ReferenceEngine(Engine):
                 self._step([slot])
             except Exception as exc:  # noqa: BLE001
                 log.exception("request %s failed in a decode step", r.req.request_id)
-                self._finish(slot, "error", error=f"decode step failed: {exc}")
+                self._out.finish(slot, "error", error=f"decode step failed: {exc}")
 
     def _step(self, only: list[int] | None = None) -> None:
         t0 = time.perf_counter()
-        slots = sorted(self._running) if only is None else [s for s in only if s in self._running]
+        slots = sorted(self._out.running) if only is None else [s for s in only if s in self._out.running]
         for s in slots:  # requests whose reader went away
-            if self._running[s].cancelled.is_set():
-                self._finish(s, "cancelled")
-        slots = [s for s in slots if s in self._running]
+            if self._out.running[s].cancelled.is_set():
+                self._out.finish(s, "cancelled")
+        slots = [s for s in slots if s in self._out.running]
         if not slots:
             return
-        rows = [self._running[s].row for s in slots]
+        rows = [self._out.running[s].row for s in slots]
         # don't draft past the context limit
         gamma = min(self.draft_len, min(self._cache_len - 2 - self.draft_siblings - r.t_len for r in rows))
         version = self._version
-        workloads = [self._running[s].req.workload for s in slots]
+        workloads = [self._out.running[s].req.workload for s in slots]
         results, stats = self._speculate(slots, rows, workloads, gamma)
         if results is None:
             t_target = time.perf_counter()
@@ -330,11 +332,11 @@ class ReferenceEngine(Engine):
             self._policy.observe_target_step(len(rows), forwards_s)
         else:
             forwards_s = stats.verify_s + stats.draft_s
-        sent = [self._deliverable(self._running[s], res.committed)[0] for s, res in zip(slots, results)]
+        sent = [self._out.deliverable(self._out.running[s], res.committed)[0] for s, res in zip(slots, results)]
         self._commit(slots, results, sent, drafted=stats is not None)
         # only rows with verified drafts are the drafter's acceptance (tide/engine/accounting.py)
         self._acct.step(version, results, stats, has_drafter=self._drafter is not None)
-        emitted = sum(self._emit(s, res.committed) for s, res in zip(slots, results))
+        emitted = sum(self._out.emit(s, res.committed, self._version) for s, res in zip(slots, results))
         wall_s = time.perf_counter() - t0
         self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None, emitted)
         metrics.ENGINE_STEP_SECONDS.observe(wall_s)
@@ -346,15 +348,15 @@ class ReferenceEngine(Engine):
         # the switching cost a draft pays first: positions deferred by target-only steps or a swap
         # (a prompt's own feed is not counted: it buys the drafter the request's context)
         feed_positions = max(r.t_len - r.feed_start if r.feed_start > 0 else 0 for r in rows)
-        room = [r.req.sampling.max_new_tokens - r.generated - 1 for r in (self._running[s] for s in slots)]
-        speculate, plan = self._policy.plan(workloads, gamma, feed_positions, room)
+        room = [r.req.sampling.max_new_tokens - r.generated - 1 for r in (self._out.running[s] for s in slots)]
+        speculate, plan = self._policy.plan(workloads, gamma, feed_positions, room, [r.temperature <= 0 for r in rows])
         if not speculate:
             return None, None
         for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
-            build_feed(self._running[s])
+            build_feed(self._out.running[s])
         try:
-            results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache,
-                                              rows, gamma, self._policy.stop_prob, plan, self.draft_siblings)
+            results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache, rows, gamma,
+                                              plan, self._head, self.draft_siblings, self.pass_rows)
             self._policy.observe_spec_step(workloads, stats, plan)
         except Exception:
             log.exception("drafter step failed; this step runs target-only")
@@ -363,78 +365,14 @@ class ReferenceEngine(Engine):
         return results, stats
 
     def _commit(self, slots: list[int], results, sent: list[int], drafted: bool) -> None:
-        """Append each row's committed tokens and states to its history; capture them (enqueue only).
-
-        ``sent[i]``: how many of row i's committed tokens reach its caller. Only the positions fed
-        with those are captured: the pending token and the accepted drafts before a stop or the
-        budget, so a request's captured positions are its prompt plus its output less one.
-        """
+        """Each row's committed tokens and states into its history; the sent ones captured (enqueue only)."""
         caps = []
         for s, res, n in zip(slots, results, sent):
-            r = self._running[s]
-            if self._sink is not None and r.req.capture:
-                caps.append(StepCapture(r.meta, r.row.t_len, res.fed_tokens[:n], res.aux_hidden[:n],
-                                        res.final_hidden[:n], is_prompt=False))
-            r.hist_aux.append(res.aux_hidden)
-            r.hist_tokens.extend(res.committed)
-            if not drafted and self._drafter is not None:
-                defer_feed(r, self.refeed_positions)  # the drafter did not run: it consumes these positions later
-            else:
-                r.row.feed_start = r.row.t_len
-            r.row.t_len += len(res.committed)
-            r.row.pending = res.committed[-1]
-        self._offer(caps)  # once per step, for all its requests
-
-    def _offer(self, caps: list[StepCapture]) -> None:
-        sink = self._sink
-        if sink is None or not caps:
-            return
-        try:
-            sink.offer(caps)
-        except Exception:  # the sink must not raise; if it does, inference goes on
-            log.exception("capture sink raised")
-
-    def _deliverable(self, r: Running, tokens: list[int]) -> tuple[int, str | None]:
-        """How many of ``tokens`` go to the caller, and why the request ends there (None: it goes on)."""
-        sp = r.req.sampling
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
-        for i, t in enumerate(tokens):
-            if t in stops:
-                return i + 1, "stop"
-            if r.generated + i + 1 >= sp.max_new_tokens:
-                return i + 1, "length"
-        return len(tokens), None
-
-    def _emit(self, slot: int, tokens: list[int]) -> int:
-        """Hand ``tokens`` to the caller up to a stop or the budget; returns how many went out."""
-        r = self._running[slot]
-        n, reason = self._deliverable(r, tokens)
-        out = tokens[:n]
-        r.generated += n
-        if reason is None and r.row.t_len + 1 >= self.max_seq_len:
-            reason = "length"
-        self._acct.tokens(self._version, len(out))
-        if reason is None:
-            r.out.put(TokenEvent(tuple(out)))
-        else:
-            self._release(slot, reason)  # capture's end marker goes out before the caller sees the end
-            r.out.put(TokenEvent(tuple(out), True, reason))
-        return len(out)
-
-    def _finish(self, slot: int, reason: str, error: str | None = None) -> None:
-        r = self._running.get(slot)
-        if r is None:
-            return
-        self._release(slot, reason)
-        r.out.put(TokenEvent((), True, reason, error))
-
-    def _release(self, slot: int, reason: str) -> None:
-        r = self._running.pop(slot)
-        if self._sink is not None and r.req.capture:
-            self._offer([StepCapture(r.meta, r.row.t_len, torch.empty(0, dtype=torch.long),
-                                     torch.empty(0, r.hist_aux[0].shape[-1]),
-                                     torch.empty(0, self.target.shape.hidden_size), False, True)])
-        self._acct.outcome("ok" if reason in ("stop", "length") else reason)
+            r = self._out.running[s]
+            if self._out.sink is not None and r.req.capture:
+                caps.append(captured(r, res, n))
+            advance(r, res, drafter_ran=drafted or self._drafter is None, refeed_positions=self.refeed_positions)
+        self._out.offer(caps)  # once per step, for all its requests
 
 
 def build_engine(cfg) -> ReferenceEngine:
@@ -453,4 +391,5 @@ def build_engine(cfg) -> ReferenceEngine:
                            max_batch_size=cfg.engine.max_batch_size,
                            max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder),
                            refeed_positions=cfg.ops.refeed_positions, scheduler=cfg.spec.scheduler,
-                           gate_probe_steps=cfg.spec.gate_probe_steps, draft_siblings=cfg.spec.draft_siblings)
+                           gate_probe_steps=cfg.spec.gate_probe_steps, draft_siblings=cfg.spec.draft_siblings,
+                           judge_rows=cfg.ops.guard_window_forwards, judge_probe_steps=cfg.spec.judge_probe_steps)

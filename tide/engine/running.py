@@ -3,6 +3,7 @@ drafter feed built from its history (what the drafter consumes on the request's 
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -10,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tide.contracts import GREEDY_TEMPERATURE
-from tide.engine.base import CaptureMeta, GenerationRequest, TokenEvent
-from tide.spec.decode import RowInput
+from tide.engine.base import CaptureMeta, GenerationRequest, StepCapture, TokenEvent
+from tide.spec.decode import RowInput, RowResult
 
 DONE = object()  # queued by Events.cancel to wake a reader blocked on the next event
 
@@ -27,6 +28,17 @@ class Running:
     generated: int = 0
     refeed: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def check_request(request: GenerationRequest, max_seq_len: int) -> None:
+    """ValueError for a request the engine cannot serve (the server answers 400)."""
+    total = len(request.prompt_ids) + request.sampling.max_new_tokens
+    if not request.prompt_ids or total > max_seq_len:
+        raise ValueError(f"prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                         f"({request.sampling.max_new_tokens}) must be in 1..{max_seq_len}")
+    sp = request.sampling
+    if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):  # would reach sampling as NaN
+        raise ValueError(f"temperature and top_p must be finite, got {sp.temperature}, {sp.top_p}")
 
 
 def new_running(request: GenerationRequest, meta: CaptureMeta) -> Running:
@@ -100,3 +112,23 @@ def defer_feed(r: Running, refeed_positions: int) -> None:
     r.refeed = True
     if r.row.t_len + 1 - r.row.feed_start > refeed_positions:
         r.row.feed_start = r.row.drafter_first_pos = r.row.t_len + 1 - refeed_positions
+
+
+def captured(r: Running, res: RowResult, sent: int) -> StepCapture:
+    """What capture gets of a step: only the positions fed with the ``sent`` tokens that reached the
+    caller (the pending token and the accepted drafts before a stop or the budget), so a request's
+    captured positions are its prompt plus its output less one."""
+    return StepCapture(r.meta, r.row.t_len, res.fed_tokens[:sent], res.aux_hidden[:sent],
+                       res.final_hidden[:sent], is_prompt=False)
+
+
+def advance(r: Running, res: RowResult, drafter_ran: bool, refeed_positions: int) -> None:
+    """A step's committed tokens and target states into the request's history and row."""
+    r.hist_aux.append(res.aux_hidden)
+    r.hist_tokens.extend(res.committed)
+    if drafter_ran:
+        r.row.feed_start = r.row.t_len
+    else:
+        defer_feed(r, refeed_positions)  # the drafter did not run: it consumes these positions later
+    r.row.t_len += len(res.committed)
+    r.row.pending = res.committed[-1]

@@ -13,6 +13,12 @@ Forward steps for a batch of rows (row b: ``q`` new tokens at positions ``start[
    its real queries) → o_proj + residual → RMSNorm → SwiGLU MLP + residual;
 2. record the inputs of the EAGLE3 aux layers (SGLang convention) and the final normed state;
 3. project to logits (all positions, or only the last per row for prefill).
+
+A packed verify (``lengths``): rows of different draft lengths in one forward, each row's tokens
+past its length never computed. Every linear (the projections, the MLP, the LM head: nearly all
+of a CPU forward's time) runs on the rows' real tokens only, laid flat; attention alone works on
+the padded [B, q] layout (queries scattered back per row), so a depth-3 draft on one request
+does not cost depth 3 on every row.
 """
 from __future__ import annotations
 
@@ -265,11 +271,18 @@ class LlamaTarget:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, last_only: bool = False, want_aux: bool = True,
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> TargetOutput:
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                lengths: torch.Tensor | None = None) -> TargetOutput:
         """input_ids: [B, q]; start: [B] first absolute position of each row's new tokens, which
         fill cache positions ``start..start+q-1``. ``tree`` (a draft tree, the same layout in every
         row): (depth [q], ancestor mask [q, q] bool): token i sits at sequence position
-        ``start + depth[i]`` (its RoPE) and attends to the new tokens ``mask[i]`` marks."""
+        ``start + depth[i]`` (its RoPE) and attends to the new tokens ``mask[i]`` marks.
+        ``lengths`` ([B], 1..q, a packed verify): row b's tokens are its first ``lengths[b]``; the
+        outputs past them are zeros."""
+        if lengths is not None:
+            if tree is not None or last_only:
+                raise ValueError("a packed forward takes neither a tree nor last_only")
+            return self._forward_packed(input_ids, start, cache, slots, lengths, want_aux)
         s, w = self.shape, self.w
         bsz, qlen = input_ids.shape
         positions = start[:, None] + torch.arange(qlen)[None, :]
@@ -302,3 +315,44 @@ class LlamaTarget:
         logits = lin(head_in, "lm_head.weight")
         aux_cat = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if want_aux else None
         return TargetOutput(logits=logits, aux_hidden=aux_cat, final_hidden=final)
+
+    def _forward_packed(self, input_ids: torch.Tensor, start: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                        lengths: torch.Tensor, want_aux: bool) -> TargetOutput:
+        """``forward`` over each row's first ``lengths[b]`` tokens: linears on those M tokens laid flat
+        ([1, M]), attention per row on the padded layout (its padded queries are never read; the keys
+        they write sit past the row's real tokens, where causal masking keeps real queries away and
+        the row's next forward overwrites them)."""
+        s, w = self.shape, self.w
+        bsz, qlen = input_ids.shape
+        if int(lengths.min()) < 1 or int(lengths.max()) > qlen:
+            raise ValueError(f"packed lengths must be in 1..{qlen}, got {lengths.tolist()}")
+        positions = start[:, None] + torch.arange(qlen)[None, :]
+        if int(positions.max()) >= cache.max_len:
+            raise ValueError(f"sequence position {int(positions.max())} exceeds cache length {cache.max_len}")
+        flat = (torch.arange(qlen)[None, :] < lengths[:, None]).flatten().nonzero().flatten()  # [M] in B*q
+        cos, sin = self.cos[positions], self.sin[positions]
+        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        lin = self.linear
+
+        def unpack(x: torch.Tensor) -> torch.Tensor:  # [1, M, D] -> [B, q, D], zeros past each row's length
+            return x.new_zeros(bsz * qlen, x.shape[-1]).index_copy_(0, flat, x[0]).view(bsz, qlen, -1)
+
+        h = F.embedding(input_ids.flatten().index_select(0, flat), w["embed_tokens.weight"])[None]  # [1, M, H]
+        aux: dict[int, torch.Tensor] = {}
+        for i in range(s.num_layers):
+            if want_aux and i in self.aux_layer_ids:
+                aux[i] = h
+            p = f"layers.{i}."
+            x = rms_norm(h, w[p + "input_layernorm.weight"], s.rms_norm_eps)
+            q, k, v = unpack(lin(x, p + "qkv")).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q = apply_rope(q.reshape(bsz, qlen, s.num_heads, s.head_dim), cos, sin)
+            k = apply_rope(k.reshape(bsz, qlen, s.num_kv_heads, s.head_dim), cos, sin)
+            attn = attend(q, k, v.reshape(bsz, qlen, s.num_kv_heads, s.head_dim), cache, i, slots, positions)
+            h = h + lin(attn.reshape(bsz * qlen, -1).index_select(0, flat)[None], p + "self_attn.o_proj.weight")
+            x = rms_norm(h, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
+            gate, up = lin(x, p + "gate_up").chunk(2, dim=-1)
+            h = h + lin(F.silu(gate) * up, p + "mlp.down_proj.weight")
+        final = rms_norm(h, w["norm.weight"], s.rms_norm_eps)
+        logits = lin(final, "lm_head.weight")
+        aux_cat = unpack(torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)) if want_aux else None
+        return TargetOutput(logits=unpack(logits), aux_hidden=aux_cat, final_hidden=unpack(final))

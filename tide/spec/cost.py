@@ -1,12 +1,14 @@
-"""The engine's own step cost: seconds of a verify forward by (batch rows, query tokens) and of
-drafting by (batch rows, draft depth), measured at start-up and kept current from live steps.
+"""The engine's own step cost: seconds of a verify forward by (batch rows, query tokens), of a
+packed verify by (batch rows, total drafts verified) and of drafting by (batch rows, draft depth),
+measured at start-up and kept current from live steps.
 
 Why measure instead of assuming a curve: on CPU the row kernel's cost grows with rows x tokens
 once past its one-pass limit, so a verify of 4 rows x 5 tokens can cost several target-only steps
 while 1 row x 5 tokens costs little more than one. The scheduler (tide/spec/schedule.py) decides
 from these figures, so each cell is a measurement of that shape, never an extrapolation from
 another batch size. Cells the profile did not measure take the nearest measured cell's value
-until a live step of that shape lands.
+until a live step of that shape lands; a packed verify's cells between two measured ones of the same
+row count are interpolated (the profile measures a grid of total drafts, live steps fill the rest).
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ STEADY_FEED = 2
 # weight of one live observation: ~20 steps of a shape replace its start-up figure, while one
 # slow step (another process on the core) moves it by a tenth only
 LIVE_EWMA = 0.1
+# total drafts of a packed verify the start-up profile measures (with every row count's largest):
+# each cell is one forward shape; the ones between are interpolated until live steps measure them
+PACKED_GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 class StepCostModel:
@@ -39,11 +44,19 @@ class StepCostModel:
         # rows and [target-only, drafted]: tok/s is made of whole steps, so decisions count it too
         self._overhead = [[math.nan, math.nan] for _ in range(max_rows + 1)]
         self._refeed = [math.nan] * (max_rows + 1)  # drafter seconds per feed position past STEADY_FEED
+        # packed verify seconds by rows and total drafts verified (0 = a target-only step's forward)
+        self._packed = [[math.nan] * (max_rows * max_depth + 1) for _ in range(max_rows + 1)]
+        self._packed_rows: dict[int, list[float]] = {}  # per row count: every cell, interpolated (cache)
         self._drafts_measured = False  # any draft cell (every plan asks: no scan of the table)
 
     # --- observations -----------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float, live: bool = True) -> None:
         self._observe(self._verify, "verify", rows, tokens, seconds, live)
+
+    def observe_packed(self, rows: int, drafts: int, seconds: float, live: bool = True) -> None:
+        """A packed verify of ``rows`` rows carrying ``drafts`` drafts in all (each row's pending too)."""
+        self._observe(self._packed, "packed", rows, drafts, seconds, live)
+        self._packed_rows.pop(rows, None)
 
     def observe_draft(self, rows: int, depth: int, seconds: float, live: bool = True) -> None:
         if depth >= 1:
@@ -87,6 +100,43 @@ class StepCostModel:
             return 0.0  # no drafter was profiled (none served at start-up): drafted steps measure it
         return _nearest(self._draft, rows, depth, lo=1)
 
+    def packed_costs(self, rows: int) -> list[float]:
+        """Seconds of a packed verify of ``rows`` rows by total drafts 0..rows x max_depth: the
+        measured cells made non-decreasing (a verify never costs less for carrying more: a cell
+        above a later one is timing noise, pooled with it), linear between two measured ones, else
+        the padded verify with as many tokens per row (an upper bound) or the nearest measured cell."""
+        rows = min(max(rows, 1), self.max_rows)
+        cached = self._packed_rows.get(rows)
+        if cached is not None:
+            return cached
+        cells = _non_decreasing(self._packed[rows][:rows * self.max_depth + 1])
+        known = [k for k, v in enumerate(cells) if not math.isnan(v)]
+        any_padded = any(not math.isnan(v) for row in self._verify for v in row)
+        out = []
+        for k, v in enumerate(cells):
+            if not math.isnan(v):
+                out.append(v)
+                continue
+            lo = max((j for j in known if j < k), default=None)
+            hi = min((j for j in known if j > k), default=None)
+            padded = self.verify_s(rows, 1 + -(-k // rows)) if any_padded else math.nan
+            if lo is not None and hi is not None:
+                out.append(cells[lo] + (cells[hi] - cells[lo]) * (k - lo) / (hi - lo))
+            elif hi is not None:
+                out.append(cells[hi])
+            elif not math.isnan(padded):
+                out.append(max(padded, cells[lo]) if lo is not None else padded)
+            elif lo is not None:
+                out.append(cells[lo])
+            else:
+                raise RuntimeError("step cost model has no measurement yet: profile it first")
+        self._packed_rows[rows] = out
+        return out
+
+    def packed_s(self, rows: int, drafts: int) -> float:
+        costs = self.packed_costs(rows)
+        return costs[min(max(drafts, 0), len(costs) - 1)]
+
     def step_costs(self, rows: int, max_depth: int, drafted: int = 0, feed_positions: int = 0) -> list[float]:
         """Seconds of a step whose longest draft is m, for m = 0..max_depth, when ``drafted`` depths
         are drafted already (their drafter time is spent whatever m is chosen now) and the longest
@@ -114,7 +164,27 @@ class StepCostModel:
                 "refeed_ms_per_position": {r: round(self.refeed_s(r, STEADY_FEED + 1) * 1e3, 4)
                                            for r in range(1, self.max_rows + 1)},
                 "overhead_ms": {r: [round(self.overhead_s(r, d) * 1e3, 2) for d in (False, True)]
-                                for r in range(1, self.max_rows + 1)}}
+                                for r in range(1, self.max_rows + 1)},
+                "packed_verify_ms": {r: [round(v * 1e3, 2) for v in self.packed_costs(r)]
+                                     for r in range(1, self.max_rows + 1)}}
+
+
+def _non_decreasing(cells: list[float]) -> list[float]:
+    """The measured (non-NaN) cells fitted non-decreasing in order (pool adjacent violators,
+    least squares); NaN cells stay NaN."""
+    at = [k for k, v in enumerate(cells) if not math.isnan(v)]
+    blocks: list[list[float]] = []  # [mean, count]
+    for k in at:
+        blocks.append([cells[k], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    out, i = list(cells), 0
+    for mean, count in blocks:
+        for _ in range(int(count)):
+            out[at[i]] = mean
+            i += 1
+    return out
 
 
 def _nearest(table, rows: int, n: int, lo: int) -> float:
@@ -130,49 +200,55 @@ def _nearest(table, rows: int, n: int, lo: int) -> float:
     return min(cells)[3]
 
 
+def packed_lengths(rows: int, drafts: int) -> list[int]:
+    """``drafts`` spread over ``rows`` rows as evenly as they go (the shape a profile times)."""
+    return [drafts // rows + (b < drafts % rows) for b in range(rows)]
+
+
 def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: int, reps: int = 2,
-            refeed_positions: int = 32) -> None:
+            refeed_positions: int = 32, packed: bool = False, head=None) -> None:
     """Time verify forwards and drafts at every (rows, tokens) the engine can run, on the engine's
     own caches before any request uses them (the positions written are overwritten by prefills).
+    ``packed``: the packed verify's grid (``PACKED_GRID`` total drafts) instead of the padded one
+    (whose one-token cells, a target-only step, are timed either way). ``head``: the confidence
+    head the engine's drafts carry (its survivals are part of a draft's time).
 
     ``context_len`` is the position the timed tokens start at: attention's share of a step grows
     with it, so it should be a typical decode context. The median of ``reps`` runs after one
     warm-up run is kept.
     """
     from tide.spec.decode import RowInput, draft
+    from tide.spec.rules import FixedLength
 
     aux_dim = 3 * target.shape.hidden_size
     for rows in range(1, cost.max_rows + 1):
         slots = torch.arange(rows)
         start = torch.full((rows,), context_len)
-        for tokens in range(1, cost.max_depth + 2):
+        for tokens in range(1, 2 if packed else cost.max_depth + 2):
             fed = torch.zeros(rows, tokens, dtype=torch.long)
             cost.observe_verify(rows, tokens, _median_s(lambda: target.forward(fed, start, tcache, slots), reps),
                                 live=False)
+        if packed:
+            cost.observe_packed(rows, 0, cost.verify_s(rows, 1), live=False)
+            most = rows * cost.max_depth
+            for drafts in sorted({k for k in PACKED_GRID if 0 < k < most} | {most}):
+                lengths = torch.tensor(packed_lengths(rows, drafts)) + 1
+                fed = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
+                cost.observe_packed(rows, drafts, _median_s(
+                    lambda: target.forward(fed, start, tcache, slots, lengths=lengths), reps), live=False)
         if drafter is None:
             continue
         def feed(n: int) -> list[RowInput]:
             return [RowInput(slot=b, t_len=context_len, pending=0, feed_start=context_len - n,
                              feed_tokens=torch.zeros(n, dtype=torch.long), feed_aux=torch.zeros(n, aux_dim))
                     for b in range(rows)]
-        batch = feed(STEADY_FEED)
+        batch, every = feed(STEADY_FEED), FixedLength()  # each depth's top probabilities are computed alike
         for depth in range(1, cost.max_depth + 1):
-            plan = _FullDepth(rows, depth)  # the scheduler's drafts compute live survival: time that too
             cost.observe_draft(rows, depth, _median_s(
-                lambda: draft(drafter, target.embed_weight, dcache, batch, depth, planner=plan), reps), live=False)
-        long_feed, plan = feed(STEADY_FEED + refeed_positions), _FullDepth(rows, 1)
-        long_s = _median_s(lambda: draft(drafter, target.embed_weight, dcache, long_feed, 1, planner=plan), reps)
+                lambda: draft(drafter, target.embed_weight, dcache, batch, depth, every, head), reps), live=False)
+        long_feed = feed(STEADY_FEED + refeed_positions)
+        long_s = _median_s(lambda: draft(drafter, target.embed_weight, dcache, long_feed, 1, every, head), reps)
         cost.observe_refeed(rows, refeed_positions, long_s - cost.draft_s(rows, 1), live=False)
-
-
-class _FullDepth:
-    """A planner that keeps every draft (for timing a given depth)."""
-
-    def __init__(self, rows: int, depth: int) -> None:
-        self.caps, self.depth, self.drafted = [depth] * rows, depth, 0
-
-    def after_depth(self, depth: int, raw) -> int:
-        return self.depth
 
 
 def _median_s(fn, reps: int) -> float:

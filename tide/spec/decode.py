@@ -1,4 +1,4 @@
-"""Speculative decoding as plain functions: draft, verify, accept. No I/O, no logging.
+"""Speculative decoding as plain functions: draft, verify, accept. No I/O, no logging, no policy.
 
 State per batch row ``b`` (kept by the engine): the target has cached positions ``0..t_len-1``;
 ``pending`` is the last committed token, not yet fed to the target; ``feed_*`` are the target
@@ -7,22 +7,23 @@ paired with the token that followed it (the last pairing is with ``pending``).
 
 One step (``speculative_step``):
 1. draft: the drafter consumes the feed (writing its KV cache with target features) and its last
-   output proposes d1; then up to ``gamma-1`` more cached steps on its own hidden stream propose
-   d2..dγ. With ``stop_prob`` > 0 a row stops drafting after a token whose draft probability is
-   below it (the drafter knows when it is guessing); with a calibrated confidence head on the
-   drafter, a greedy row stops once the chain's survival probability drops below it instead;
-   the step stops when every row has stopped. With a planner (the cost scheduler,
-   tide/spec/schedule.py) the planner decides after each depth whether drafting on pays and how
-   many drafts to keep; the drafts are truncated to that (possibly zero) before verification;
-2. verify: one target forward over ``[pending, d1..dk]`` at positions ``t_len..t_len+k`` (k = the
-   longest row's draft; a shorter row's tail is padding that is never accepted). On CPU a verify
-   costs more per token fed, so not feeding drafts that would be rejected is most of the point;
+   output proposes d1; then more cached steps on its own hidden stream propose d2.. . ``draft``
+   returns a ``Drafts``: the tokens and, per depth, each draft's own probability and (with a
+   confidence head) its calibrated survival, as tensors. A ``Planner`` (the step's policy:
+   tide/spec/rules.py, schedule.py, admission.py) says after each depth whether to draft on, then
+   how many drafts of each row are verified (possibly none);
+2. verify: one target forward over ``[pending, d1..dk]`` at positions ``t_len..t_len+k``: padded to
+   the longest kept draft, or packed (each row's own length, ``LlamaTarget.forward(lengths=)``) when
+   the planner asks for it. On CPU a verify costs more per token fed, so not feeding drafts that
+   would be rejected is most of the point;
 3. accept: greedy rows keep the longest prefix equal to the target's argmax, then the target's
    token; sampling rows use rejection sampling (accept d with prob min(1, p/q), else resample
    from norm(max(p - q, 0))), which leaves the output distributed exactly as the target's;
    if every draft is accepted the target's next token is the bonus;
 4. commit: positions ``t_len..t_len+n_acc`` are now valid in the target cache (rejected ones are
    forgotten by lowering the row's length), and their aux states become the next feed.
+Which drafts are verified never changes what is committed beyond how many tokens a step commits
+(the accept functions take a prefix of the draft), so every planner is lossless.
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tide.drafter.confidence import Confidence
 from tide.drafter.model import Eagle3Drafter
 from tide.models.llama import KVCache, LlamaTarget
-from tide.models.rowkernel import PASS_ROWS
 from tide.spec import tree
 
 
@@ -68,17 +69,52 @@ class StepStats:
     gamma: int
     accepted: list[int] = field(default_factory=list)  # per row
     position_accepts: list[int] = field(default_factory=list)  # [gamma]: rows accepting draft i
-    drafted: list[int] = field(default_factory=list)  # per row: tokens drafted (<= gamma)
+    drafted: list[int] = field(default_factory=list)  # per row: drafts verified (<= gamma)
     draft_depth: int = 0  # depths the drafter ran (its cost), >= the longest kept draft
     draft_s: float = 0.0
     verify_s: float = 0.0
     feed_positions: int = 0  # the longest drafter feed of the step (long after prefill or target-only steps)
     siblings: int = 0  # depth-1 alternatives verified per row (tide/spec/tree.py)
     sibling_accepts: int = 0  # rows whose first accepted token was a sibling
+    packed: bool = False  # the verify carried each row's own drafts only (no padding to the longest)
 
     @property
     def tokens_per_forward(self) -> float:
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+
+@dataclass
+class Drafts:
+    """What one draft pass proposed, as tensors; the step's planner decides what is verified."""
+
+    tokens: torch.Tensor  # [B, D] target-vocab ids; D = the depths the drafter ran
+    prob: torch.Tensor  # [B, D] each draft's own probability: greedy rows' top probability
+    # (temperature 1), sampled rows' q(d) at the row's temperature
+    survival: torch.Tensor | None  # [B, D] the head's calibrated P(draft j survives | drafts < j did); None: no head
+    greedy: list[bool]  # per row: greedy (the live signals are for greedy rows only)
+    q_probs: list[list[torch.Tensor]] = field(default_factory=list)  # sampled rows: q [V] per depth
+    siblings: list[list[int]] = field(default_factory=list)  # per row: depth-1 alternatives (target ids)
+
+    @property
+    def depth(self) -> int:
+        return self.tokens.shape[1]
+
+    def chain(self) -> torch.Tensor:
+        """[B, D] each row's prefix survival signal: the product of the head's survivals when the
+        drafter has one (calibrated), else of the top probabilities (raw: over-confident)."""
+        return torch.cumprod(self.survival if self.survival is not None else self.prob, dim=1)
+
+
+class Planner(Protocol):
+    """A step's policy over its drafts (tide/spec/rules.py, schedule.py, admission.py)."""
+
+    packed: bool  # verify each row's kept drafts only, not every row padded to the longest
+
+    def go_on(self, drafts: Drafts) -> bool:
+        """``drafts.depth`` depths drafted: run the drafter one more depth?"""
+
+    def lengths(self, drafts: Drafts) -> list[int]:
+        """How many drafts of each row are verified (<= drafts.depth; 0 = none)."""
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
@@ -98,31 +134,9 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return probs
 
 
-class Planner(Protocol):
-    """Decides a step's draft length while drafting (tide.spec.schedule.StepPlan)."""
-
-    caps: list[int]  # the most drafts row b may keep
-    drafted: int  # set by draft(): the depths the drafter ran
-
-    def after_depth(self, depth: int, raw: list[float | None]) -> int:
-        """``depth`` drafts done, ``raw[b]`` row b's live chain survival (None: no live signal);
-        returns the drafts to keep (drafting goes on while it exceeds ``depth``)."""
-
-
-def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: list[RowInput],
-          gamma: int, stop_prob: float = 0.0, planner: Planner | None = None,
-          siblings: list[list[int]] | None = None,
-          n_siblings: int = 0) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
-    """Propose up to ``gamma`` target-vocab tokens per row.
-
-    Returns ([B, k] ids, per-row q probs [k, V] or None, per-row draft lengths); k <= γ is the
-    longest row's length. A row stops after a draft whose probability is below ``stop_prob``
-    (at the row's temperature, 1 for greedy rows); every row drafts at least one token, unless a
-    ``planner`` truncates the drafts (to zero, possibly). With ``n_siblings`` > 0, ``siblings``
-    (a list) receives each row's ``n_siblings`` next-best depth-1 tokens (target ids).
-    """
-    bsz = len(rows)
-    m = max(r.feed_tokens.numel() for r in rows)
+def _feed(rows: list[RowInput]):
+    """The rows' drafter feeds padded to the longest: (tokens, aux, positions, index of each row's last)."""
+    bsz, m = len(rows), max(r.feed_tokens.numel() for r in rows)
     tokens = torch.zeros(bsz, m, dtype=torch.long)
     aux = torch.zeros(bsz, m, rows[0].feed_aux.shape[-1], dtype=rows[0].feed_aux.dtype)
     positions = torch.zeros(bsz, m, dtype=torch.long)
@@ -134,78 +148,61 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
         # padding continues the row's positions; never attended by real queries (causal)
         positions[b] = r.feed_start + torch.arange(m)
         last[b] = n - 1
+    return tokens, aux, positions, last
+
+
+def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: list[RowInput], gamma: int,
+          planner: Planner | None = None, head: Confidence | None = None, n_siblings: int = 0) -> Drafts:
+    """Propose up to ``gamma`` target-vocab tokens per row, one drafter depth at a time while the
+    ``planner`` (None: every depth) asks for more. ``head``: the confidence head whose survivals
+    the drafts carry (None: none). With ``n_siblings`` > 0 each row's ``n_siblings`` next-best
+    depth-1 tokens come too."""
+    bsz = len(rows)
+    tokens, aux, positions, last = _feed(rows)
     slots = torch.tensor([r.slot for r in rows])
     first = torch.tensor([r.drafter_first_pos for r in rows]) if any(r.drafter_first_pos for r in rows) else None
     d2t_ids = drafter.draft_to_target
     vocab = embed.shape[0]
-    out_tokens = torch.zeros(bsz, gamma, dtype=torch.long)
+    greedy = [r.temperature <= 0 for r in rows]
+    out = torch.zeros(bsz, gamma, dtype=torch.long)
+    prob = torch.zeros(bsz, gamma)
+    survival = torch.zeros(bsz, gamma) if head is not None else None
     q_probs: list[list[torch.Tensor]] = [[] for _ in rows]
-    lengths = [0] * bsz
-    active = [True] * bsz
+    siblings: list[list[int]] = [[] for _ in rows]
+    ran = 0
     with torch.inference_mode():
         hidden = drafter.project(aux)
         h = drafter.step(F.embedding(tokens, embed), hidden, cache, slots, positions, first)
-        h = h[torch.arange(bsz), last][:, None]  # [B, 1, H]
-        pos = positions[torch.arange(bsz), last][:, None]
-        fed = tokens[torch.arange(bsz), last]  # [B] the token each row's next draft follows
-        chain, raw_prod, keep = torch.ones(bsz), torch.ones(bsz), gamma
+        idx = torch.arange(bsz)
+        h = h[idx, last][:, None]  # [B, 1, H]
+        pos = positions[idx, last][:, None]
+        fed = tokens[idx, last]  # [B] the token each row's next draft follows
         for i in range(gamma):
             logits = drafter.logits(h)[:, 0].float()  # [B, draft_vocab]
-            top_prob = None
-            if (stop_prob > 0 or planner is not None) and any(r.temperature <= 0 for r in rows):
-                top_prob, chain = _greedy_confidence(drafter, embed, h[:, 0], fed, logits, i, chain)
+            top_p, choice = torch.softmax(logits, dim=-1).max(-1)
+            prob[:, i] = top_p
             for b, r in enumerate(rows):
-                if not active[b]:
-                    out_tokens[b, i] = out_tokens[b, i - 1]  # padding: verified, never accepted
-                    continue
-                if r.temperature > 0:
+                if not greedy[b]:
                     q = torch.softmax(logits[b] / r.temperature, dim=-1)
                     d = int(torch.multinomial(q, 1, generator=r.generator))
                     full = torch.zeros(vocab)
                     full[d2t_ids] = q
                     q_probs[b].append(full)
-                    confidence = float(q[d])
-                else:
-                    d = int(logits[b].argmax())
-                    confidence = top_prob[b] if top_prob is not None else 1.0
-                if i == 0 and n_siblings > 0 and siblings is not None:
-                    siblings.append(d2t_ids[tree.alternatives(logits[b], d, n_siblings)].tolist())
-                out_tokens[b, i] = d2t_ids[d]
-                lengths[b] = i + 1
-                active[b] = confidence >= stop_prob
-            fed = out_tokens[:, i]
-            if planner is not None:
-                if drafter.confidence is None and top_prob is not None:
-                    raw_prod = raw_prod * torch.tensor(top_prob)
-                live = chain if drafter.confidence is not None else raw_prod
-                keep = planner.after_depth(i + 1, [float(live[b]) if r.temperature <= 0 else None
-                                                   for b, r in enumerate(rows)])
-                if keep <= i + 1:
-                    break
-            if i + 1 < gamma and any(active):
-                pos = pos + 1
-                h = drafter.step(F.embedding(out_tokens[:, i:i + 1], embed), h, cache, slots, pos, first)
-            elif i + 1 < gamma:
+                    prob[b, i], choice[b] = q[d], d
+                if i == 0 and n_siblings > 0:
+                    siblings[b] = d2t_ids[tree.alternatives(logits[b], int(choice[b]), n_siblings)].tolist()
+            if survival is not None:
+                survival[:, i] = head.survival(h[:, 0], F.embedding(fed, embed), logits, i, drafter.shape.rms_norm_eps)
+            out[:, i] = d2t_ids[choice]
+            fed, ran = out[:, i], i + 1
+            so_far = Drafts(out[:, :ran], prob[:, :ran], None if survival is None else survival[:, :ran], greedy,
+                            q_probs, siblings)
+            more = planner is None or planner.go_on(so_far)  # asked at every depth: it sees each one
+            if ran == gamma or not more:
                 break
-    if planner is not None:
-        planner.drafted = max(lengths)  # the depths the drafter ran: its cost
-        lengths = [min(n, keep, cap) for n, cap in zip(lengths, planner.caps)]
-    k = max(lengths)
-    return out_tokens[:, :k], [torch.stack(q)[:n] if q else None for q, n in zip(q_probs, lengths)], lengths
-
-
-def _greedy_confidence(drafter: Eagle3Drafter, embed: torch.Tensor, hidden: torch.Tensor, fed: torch.Tensor,
-                       logits: torch.Tensor, depth: int, chain: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-    """Greedy rows' confidence in this draft, one batched computation per step: the calibrated
-    survival of the whole chain so far when the drafter has a confidence head, else the draft's
-    top probability (the head's probabilities multiply; raw top probabilities are not calibrated
-    enough to)."""
-    if drafter.confidence is None:
-        return torch.softmax(logits, dim=-1).amax(-1).tolist(), chain
-    survival = drafter.confidence.survival(hidden, F.embedding(fed, embed), logits, depth,
-                                           drafter.shape.rms_norm_eps)
-    chain = chain * survival
-    return chain.tolist(), chain
+            pos = pos + 1
+            h = drafter.step(F.embedding(out[:, i:i + 1], embed), h, cache, slots, pos, first)
+    return so_far
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -264,8 +261,10 @@ def accept_row(r: RowInput, draft_tokens: torch.Tensor, q_probs: torch.Tensor | 
 
 
 def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_tokens: torch.Tensor,
-           siblings: list[list[int]] | None = None):
-    """One target forward over [pending, d1..dγ] (then each row's depth-1 siblings) for every row."""
+           siblings: list[list[int]] | None = None, lengths: list[int] | None = None):
+    """One target forward over [pending, d1..dk] (then each row's depth-1 siblings) for every row;
+    with ``lengths``, packed: row b's first ``lengths[b]`` drafts only (rows of one length need no
+    packing)."""
     parts = [torch.tensor([[r.pending] for r in rows]), draft_tokens]
     layout = None
     if siblings:
@@ -274,34 +273,39 @@ def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_toke
     fed = torch.cat(parts, dim=1)
     start = torch.tensor([r.t_len for r in rows])
     slots = torch.tensor([r.slot for r in rows])
-    return fed, target.forward(fed, start, cache, slots, tree=layout)
+    packed = None if lengths is None or min(lengths) == max(lengths) else torch.tensor(lengths) + 1
+    return fed, target.forward(fed, start, cache, slots, tree=layout, lengths=packed)
 
 
 def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: KVCache,
-                     drafter_cache: KVCache, rows: list[RowInput], gamma: int,
-                     stop_prob: float = 0.0, planner: Planner | None = None,
-                     siblings: int = 0) -> tuple[list[RowResult], StepStats]:
-    """One draft-verify-accept step. ``siblings``: the most depth-1 alternatives verified beside
-    each row's chain (tide/spec/tree.py), as many as fit the weight passes the chain's verify makes
-    anyway; none with a ``planner``, whose step costs price the chain alone."""
-    n_sib = siblings if planner is None else 0
+                     drafter_cache: KVCache, rows: list[RowInput], gamma: int, planner: Planner,
+                     head: Confidence | None = None, siblings: int = 0,
+                     pass_rows: int = 1) -> tuple[list[RowResult], StepStats]:
+    """One draft-verify-accept step under ``planner``. ``head``: the confidence head the drafts
+    carry survivals from (the engine's choice: a head that failed calibration is not passed).
+    ``siblings``: the most depth-1 alternatives verified beside each row's chain
+    (tide/spec/tree.py), as many as fit the weight passes the chain's verify makes anyway, a pass
+    being ``pass_rows`` query rows (the target's kernel, injected by the engine); none under a
+    packed planner."""
+    n_sib = 0 if planner.packed else siblings
     t0 = time.perf_counter()
-    sibs: list[list[int]] = []
-    draft_tokens, q_probs, lengths = draft(drafter, target.embed_weight, drafter_cache, rows, gamma, stop_prob,
-                                           planner, sibs, n_sib)
+    drafts = draft(drafter, target.embed_weight, drafter_cache, rows, gamma, planner, head, n_sib)
+    lengths = [max(0, min(n, drafts.depth)) for n in planner.lengths(drafts)]
     t1 = time.perf_counter()
-    m = tree.budget(n_sib, len(rows), draft_tokens.shape[1], PASS_ROWS) if min(lengths) > 0 else 0
-    sibs = [s[:m] for s in sibs]
-    fed, out = verify(target, target_cache, rows, draft_tokens, sibs if m else None)
-    stats = StepStats(gamma=gamma, position_accepts=[0] * gamma, drafted=lengths,
-                      draft_depth=planner.drafted if planner is not None else max(lengths),
+    k = max(lengths)
+    draft_tokens = drafts.tokens[:, :k]
+    m = tree.budget(n_sib, len(rows), k, pass_rows) if n_sib and min(lengths) > 0 else 0
+    sibs = [s[:m] for s in drafts.siblings] if m else None
+    fed, out = verify(target, target_cache, rows, draft_tokens, sibs, lengths if planner.packed else None)
+    stats = StepStats(gamma=gamma, position_accepts=[0] * gamma, drafted=lengths, draft_depth=drafts.depth,
                       draft_s=t1 - t0, verify_s=time.perf_counter() - t1,
                       feed_positions=max(len(r.feed_tokens) for r in rows),
-                      siblings=fed.shape[1] - 1 - draft_tokens.shape[1])
+                      siblings=fed.shape[1] - 1 - k, packed=planner.packed)
     results = []
     for b, r in enumerate(rows):
-        k, row_sibs = lengths[b], (sibs[b] if stats.siblings else [])
-        n, nxt, j = accept_row(r, draft_tokens[b, :k], q_probs[b], out.logits[b], row_sibs)
+        n_b, row_sibs = lengths[b], (sibs[b] if stats.siblings else [])
+        q = torch.stack(drafts.q_probs[b][:n_b]) if n_b and drafts.q_probs[b] else None
+        n, nxt, j = accept_row(r, draft_tokens[b, :n_b], q, out.logits[b], row_sibs)
         stats.accepted.append(n)
         for i in range(n):
             stats.position_accepts[i] += 1

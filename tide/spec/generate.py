@@ -3,7 +3,9 @@
 The engine runs the same functions batched; this is the unbatched reference:
 1. prefill the prompt; the first token comes from the prefill logits;
 2. repeat ``speculative_step`` (or ``target_step`` without a drafter) until ``max_new_tokens``
-   tokens or a stop token; the drafter's feed is what the previous step committed.
+   tokens or a stop token; the drafter's feed is what the previous step committed. Each step's
+   planner is the stop rule at ``stop_prob`` (0: every draft), or ``planner()`` when given; the
+   drafter's own confidence head serves as it is, and siblings are priced at the row kernel's pass.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 
 from tide.drafter.model import Eagle3Drafter
 from tide.models.llama import LlamaTarget
-from tide.spec.decode import RowInput, filtered_probs, prefill, speculative_step, target_step
+from tide.models.rowkernel import PASS_ROWS
+from tide.spec.decode import Planner, RowInput, filtered_probs, prefill, speculative_step, target_step
+from tide.spec.rules import StopRule
 
 
 @dataclass
@@ -34,7 +38,8 @@ class GenerationStats:
 def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: list[int],
              max_new_tokens: int, gamma: int = 4, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, stop_ids: tuple[int, ...] = (),
-             stop_prob: float = 0.0, siblings: int = 0) -> tuple[list[int], GenerationStats]:
+             stop_prob: float = 0.0, siblings: int = 0,
+             planner=None) -> tuple[list[int], GenerationStats]:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     max_len = len(prompt_ids) + max_new_tokens + gamma + siblings + 2
     tcache = target.new_cache(1, max_len)
@@ -53,7 +58,9 @@ def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: lis
         if drafter is None:
             (res,) = target_step(target, tcache, [row])
         else:
-            (res,), st = speculative_step(target, drafter, tcache, dcache, [row], gamma, stop_prob, siblings=siblings)
+            plan: Planner = planner() if planner is not None else StopRule(stop_prob)
+            (res,), st = speculative_step(target, drafter, tcache, dcache, [row], gamma, plan, drafter.confidence,
+                                          siblings, PASS_ROWS)
             for i, c in enumerate(st.position_accepts):
                 stats.position_accepts[i] += c
             stats.sibling_accepts += st.sibling_accepts

@@ -103,6 +103,8 @@ class AcceptanceTracker:
     # their counts by [kept][accepted], so pricing a peek costs the same however long the history
     kept: deque = field(default_factory=lambda: deque(maxlen=PEEK_HISTORY))
     kept_counts: list[list[int]] = field(default_factory=list)
+    # raw live chains of recent drafted greedy rows (tide/spec/admission.py prices drafting on them)
+    chains: deque = field(default_factory=lambda: deque(maxlen=PEEK_HISTORY))
 
     def __post_init__(self) -> None:
         self.cond = [[PRIOR_ACCEPTANCE * PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(self.depth)]
@@ -175,12 +177,15 @@ class AcceptanceTracker:
 
 
 class StepPlan:
-    """One step's draft-length decisions; handed to ``tide.spec.decode.draft`` as its planner.
+    """One step's draft-length decisions; the step's planner (``tide.spec.decode.Planner``): one
+    level for every row, verified padded to it.
 
     ``trackers[b]`` is row b's workload tracker, ``caps[b]`` the most row b may keep (0 for a
     workload whose speculation is off), ``cost_at(drafted)`` the step costs by level given the
     depths already drafted.
     """
+
+    packed = False
 
     def __init__(self, trackers: list[AcceptanceTracker], caps: list[int], cost_at, max_depth: int,
                  min_level: int = 0) -> None:
@@ -221,6 +226,17 @@ class StepPlan:
         self.level = self._choose(depth, expected)
         return self.level
 
+    def go_on(self, drafts) -> bool:
+        """Planner: after ``drafts.depth`` depths, go on while the level chosen on the live signal
+        (greedy rows' chains) is deeper."""
+        chain = drafts.chain()[:, -1].tolist()
+        depth = drafts.depth
+        return self.after_depth(depth, [c if g else None for c, g in zip(chain, drafts.greedy)]) > depth
+
+    def lengths(self, drafts) -> list[int]:
+        self.drafted = drafts.depth  # the depths the drafter ran: its cost
+        return [min(drafts.depth, self.level, cap) for cap in self.caps]
+
     def _choose(self, drafted: int, survival: list[list[float]]) -> int:
         sums = [sum(s[j] for b, s in enumerate(survival) if self.caps[b] > j) for j in range(self.max_depth)]
         self.chosen = best_level(sums, len(survival), self.cost_at(drafted))
@@ -252,16 +268,18 @@ class WorkloadGate:
         self.state = {w: {"on": True, "reason": reason, "since_probe": 0} for w in self.state}
         return changed
 
-    def decide(self, workload: str, tracker: AcceptanceTracker, solo_cost_at) -> tuple[bool, bool, str | None]:
+    def decide(self, workload: str, tracker: AcceptanceTracker, solo_cost_at,
+               pays_at=None) -> tuple[bool, bool, str | None]:
         """(on, probe this step, reason if the state changed); ``solo_cost_at(ran)``: one row's
-        step costs by level after ``ran`` drafted depths."""
+        step costs by level after ``ran`` drafted depths; ``pays_at(bar)`` (another scheduler's
+        rule, instead of those costs): does drafting for one row alone beat target-only by ``bar``."""
         s = self.state.setdefault(workload, {"on": True, "reason": "default", "since_probe": 0})
         changed = None
         if tracker.drafts_seen >= self.min_drafts:
             bar = MIN_GAIN if s["on"] else self.REOPEN_GAIN
-            pays = best_level(tracker.survival(), 1, solo_cost_at(0), bar) > 0 or (
-                (peek := peek_rate([tracker], [tracker.depth], solo_cost_at)) is not None
-                and peek > (1 + bar) / solo_cost_at(0)[0])
+            pays = pays_at(bar) if pays_at is not None else best_level(tracker.survival(), 1, solo_cost_at(0), bar) > 0 \
+                or ((peek := peek_rate([tracker], [tracker.depth], solo_cost_at)) is not None
+                    and peek > (1 + bar) / solo_cost_at(0)[0])
             if pays != s["on"]:
                 s["on"], s["reason"] = pays, "acceptance_pays" if pays else "acceptance_below_cost"
                 changed = s["reason"]

@@ -11,7 +11,10 @@
    the held-out rows that reached depth k, so ``σ(z_k / T_k)`` is P(survive k | survived < k) and
    the product over depths is the chain's survival, what a draft-length scheduler needs;
 4. ``calibration_error`` is the expected calibration error (ECE, equal-width bins) over the
-   alive rows of every depth.
+   alive rows of every depth; ``fit_confidence`` records it on the head (``heldout_ece``), which
+   serving checks before it uses the head (tide/drafter/confidence.py ``serving_head``).
+Cheap by design: one teacher-forced unroll of the drafter over at most ``max_rows`` rows per
+split, then a convex fit of 2H+1 weights (seconds to a few minutes on a CPU).
 """
 from __future__ import annotations
 
@@ -189,13 +192,15 @@ def fit_confidence(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.T
     report = {"ece_top_prob": top_prob_ece(test), "ece_raw": raw, "ece": alive_ece(head, test),
               "temperatures": temps, "train_bce": bce, "calib_rows": int(calib.alive.sum()),
               "test_rows": int(test.alive.sum())}
+    head.heldout_ece = report["ece"]
     return head.eval().requires_grad_(False), report
 
 
 def fit_for_retrain(cfg, candidate: Eagle3Drafter, target, data) -> tuple[Confidence | None, dict]:
-    """A retrain's candidate head (frozen) and its calibration metrics; none unless
-    ``train.confidence_head`` (a head inherited from the parent was fitted to other weights, so
-    it is dropped either way)."""
+    """A retrain's candidate head (frozen, its held-out ECE recorded) and its calibration metrics;
+    none unless ``train.confidence_head`` (a head inherited from the parent was fitted to other
+    weights, so it is dropped either way). A head whose ECE exceeds the serving bar is still
+    registered: the engine serves that version on its top-probability chain and says so."""
     if not cfg.train.confidence_head:
         return None, {}
     tc = cfg.train

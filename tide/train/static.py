@@ -86,8 +86,8 @@ class StaticRecipe:
     # loss on generated positions only: that is where the drafter drafts, and the CE's cost is
     # per position (prompt positions still feed the drafter's attention)
     train_on_prompt: bool = False
-    # a calibrated confidence head (tide/train/confidence.py); off for the reason train.confidence_head is
-    confidence_head: bool = False
+    # a calibrated confidence head (tide/train/confidence.py), as every retrain fits one (train.confidence_head)
+    confidence_head: bool = True
 
     def __post_init__(self):
         # refused when the recipe is made, not an hour later when training starts

@@ -90,3 +90,44 @@ def test_packed_and_plain_targets_agree(pair):
     b = plain.forward(ids, torch.tensor([0, 0]), plain.new_cache(2), torch.tensor([0, 1]))
     assert torch.allclose(a.logits, b.logits, atol=1e-4)
     assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+
+
+class _RowCount:
+    """Wraps a target's linears and records the rows each call multiplies."""
+
+    def __init__(self, linears):
+        self.inner, self.rows = linears, []
+
+    def __call__(self, x, name):
+        self.rows.append((name, x.reshape(-1, x.shape[-1]).shape[0]))
+        return self.inner(x, name)
+
+
+def test_a_packed_verify_computes_each_row_s_own_tokens_only(pair, monkeypatch):
+    """Rows of 1, 4, 2 and 1 tokens in one forward: the same logits, states and cache as the padded
+    forward at every real token, zeros past each row's length, and linears over 8 rows, not 16."""
+    hf, ours = pair
+    g = torch.Generator().manual_seed(7)
+    history = torch.randint(0, 512, (4, 12), generator=g)
+    slots, start = torch.tensor([3, 0, 2, 1]), torch.tensor([12, 12, 12, 12])
+    caches = ours.new_cache(4), ours.new_cache(4)
+    for cache in caches:
+        ours.forward(history, torch.zeros(4, dtype=torch.long), cache, slots)
+    fed, lengths = torch.randint(0, 512, (4, 4), generator=g), torch.tensor([1, 4, 2, 1])
+    padded = ours.forward(fed, start, caches[0], slots)
+    counter = _RowCount(ours.linear)
+    monkeypatch.setattr(ours, "linear", counter)
+    packed = ours.forward(fed, start, caches[1], slots, lengths=lengths)
+    assert {rows for name, rows in counter.rows} == {8}  # 1 + 4 + 2 + 1 tokens through every linear
+    with torch.no_grad():
+        ref = hf(torch.cat([history[1], fed[1]])[None]).logits[0, 12:]
+    assert torch.allclose(packed.logits[1], ref, atol=1e-5)  # the long row against transformers
+    for b, n in enumerate(lengths.tolist()):
+        for out in ("logits", "aux_hidden", "final_hidden"):
+            got, want = getattr(packed, out)[b], getattr(padded, out)[b]
+            assert torch.allclose(got[:n], want[:n], atol=1e-5), (b, out)
+            assert not got[n:].any()
+        # the cache holds the same keys and values at each row's real positions
+        assert torch.allclose(caches[1].k[:, slots[b], :12 + n], caches[0].k[:, slots[b], :12 + n], atol=1e-5)
+    with pytest.raises(ValueError, match="packed lengths"):
+        ours.forward(fed, start, caches[1], slots, lengths=torch.tensor([0, 4, 2, 1]))

@@ -102,3 +102,41 @@ def test_a_long_drafter_feed_costs_its_extra_positions_on_drafted_levels_only():
     assert cost.step_costs(1, 2, drafted=1, feed_positions=STEADY_FEED + 20)[0] == pytest.approx(1.2)
     cost.observe_refeed(1, 10, 0.15)  # live: per position 15 ms, running average -> 10 ms
     assert cost.table()["refeed_ms_per_position"][1] == pytest.approx(10.0)
+
+
+def test_packed_verify_cells_are_interpolated_until_live_steps_measure_them():
+    cost = StepCostModel(max_rows=2, max_depth=2, ewma=0.5)
+    cost.observe_packed(2, 0, 1.0, live=False)
+    cost.observe_packed(2, 4, 2.0, live=False)
+    assert cost.packed_costs(2) == pytest.approx([1.0, 1.25, 1.5, 1.75, 2.0])
+    cost.observe_packed(2, 1, 1.1)  # a live step of a shape the profile skipped
+    assert cost.packed_s(2, 1) == pytest.approx(1.1) and cost.packed_s(2, 2) == pytest.approx(1.4)
+    cost.observe_packed(2, 1, 1.3)  # then it moves by the running average's weight
+    assert cost.packed_s(2, 1) == pytest.approx(1.2)
+    for tokens in (1, 2, 3):  # no packed cell for one row: a padded verify as deep (an upper bound)
+        cost.observe_verify(1, tokens, 0.5 * tokens, live=False)
+    assert cost.packed_costs(1) == pytest.approx([0.5, 1.0, 1.5])
+
+
+def test_a_packed_profile_measures_the_grid_of_total_drafts(tiny_target, tiny_drafter):
+    from tide.drafter.model import for_serving
+
+    drafter = for_serving(tiny_drafter)
+    cost = StepCostModel(max_rows=3, max_depth=2)
+    profile(tiny_target, drafter, tiny_target.new_cache(3, 64), drafter.new_cache(3, 64), cost, context_len=20,
+            reps=1, packed=True)
+    def measured(rows, drafts):
+        return REGISTRY.get_sample_value("tide_engine_step_cost_seconds",
+                                         {"kind": "packed", "rows": str(rows), "tokens": str(drafts)})
+    for rows, drafts in [(1, 1), (1, 2), (2, 4), (3, 4), (3, 6)]:  # the grid up to each row count's most
+        assert measured(rows, drafts) > 0
+    assert cost.packed_s(3, 5) == pytest.approx((cost.packed_s(3, 4) + cost.packed_s(3, 6)) / 2)  # off the grid
+    for row in cost.table()["packed_verify_ms"].values():
+        assert all(v > 0 and math.isfinite(v) for v in row) and row == sorted(row)
+
+
+def test_a_packed_cell_timed_above_a_later_one_is_pooled_with_it():
+    cost = StepCostModel(max_rows=1, max_depth=4, ewma=0.5)
+    for drafts, seconds in [(0, 1.0), (1, 1.6), (2, 1.2), (4, 2.0)]:  # (1, 1.6): another process on the core
+        cost.observe_packed(1, drafts, seconds, live=False)
+    assert cost.packed_costs(1) == pytest.approx([1.0, 1.4, 1.4, 1.7, 2.0])

@@ -37,6 +37,7 @@ def test_draft_stops_rows_below_the_probability_threshold(tiny_target, tiny_draf
     """stop_prob 0 drafts gamma tokens; above every probability, one per row; in between the
     verify is as long as the longest row and shorter rows are never accepted past their length."""
     from tide.spec.decode import RowInput, draft, speculative_step
+    from tide.spec.rules import FixedLength, StopRule
 
     def rows():
         out = []
@@ -50,13 +51,14 @@ def test_draft_stops_rows_below_the_probability_threshold(tiny_target, tiny_draf
 
     embed = tiny_target.embed_weight
     r, _ = rows()
-    toks, _, lengths = draft(tiny_drafter, embed, tiny_drafter.new_cache(3, 128), r, 5, stop_prob=0.0)
-    assert toks.shape == (3, 5) and lengths == [5, 5, 5]
-    toks, _, lengths = draft(tiny_drafter, embed, tiny_drafter.new_cache(3, 128), r, 5, stop_prob=1.01)
-    assert toks.shape == (3, 1) and lengths == [1, 1, 1]
+    drafts = draft(tiny_drafter, embed, tiny_drafter.new_cache(3, 128), r, 5, StopRule(0.0))
+    assert drafts.tokens.shape == (3, 5) and StopRule(0.0).lengths(drafts) == FixedLength().lengths(drafts) == [5] * 3
+    assert drafts.prob.shape == (3, 5) and bool(((drafts.prob > 0) & (drafts.prob <= 1)).all())
+    drafts = draft(tiny_drafter, embed, tiny_drafter.new_cache(3, 128), r, 5, StopRule(1.01))
+    assert drafts.tokens.shape == (3, 1) and StopRule(1.01).lengths(drafts) == [1, 1, 1]
     r, tcache = rows()
     results, stats = speculative_step(tiny_target, tiny_drafter, tcache, tiny_drafter.new_cache(3, 128), r, 5,
-                                      stop_prob=0.02)
+                                      StopRule(0.02))
     assert all(1 <= k <= 5 for k in stats.drafted)
     assert all(res.n_accepted <= k for res, k in zip(results, stats.drafted))
 

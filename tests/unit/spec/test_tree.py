@@ -91,11 +91,11 @@ def test_sampled_generation_with_siblings_matches_target_only(tiny_target, tiny_
         _assert_same_distribution(spec[i], plain[i], n)
 
 
-def test_engine_batches_rows_with_siblings_and_stays_identical(tiny_target, tiny_drafter, monkeypatch):
+def test_engine_batches_rows_with_siblings_and_stays_identical(tiny_target, tiny_drafter):
     """Concurrent greedy requests (padded chains, a sibling's keys moved per slot) through the
     reference engine with the stop rule and siblings: each output equals target-only. A wide
-    weight pass lets many siblings through at batch 4 (the budget is a cost rule, not correctness)."""
-    monkeypatch.setattr("tide.spec.decode.PASS_ROWS", 256)
+    weight pass (injected by the engine) lets many siblings through at batch 4 (the budget is a
+    cost rule, not correctness)."""
     from prometheus_client import REGISTRY
 
     from tide.engine.base import GenerationRequest, SamplingParams
@@ -107,7 +107,7 @@ def test_engine_batches_rows_with_siblings_and_stays_identical(tiny_target, tiny
     before = sibling_accepts()
     prompts = _prompts(tiny_target.shape.vocab_size, 8, seed=21)
     engine = ReferenceEngine(tiny_target, None, tiny_drafter, "v1", target_model_id="tiny", draft_len=4,
-                             draft_stop_prob=0.3, max_batch_size=4, max_seq_len=200, draft_siblings=5)
+                             draft_stop_prob=0.3, max_batch_size=4, max_seq_len=200, draft_siblings=5, pass_rows=256)
     try:
         reqs = [GenerationRequest(f"t{i}", tuple(p), SamplingParams(max_new_tokens=40)) for i, p in enumerate(prompts)]
         outs = _submit_all(engine, reqs)

@@ -91,3 +91,23 @@ def test_collected_labels_are_the_simulated_acceptance_chain(tiny_target, tiny_d
     assert set(data.group.tolist()) == {0, 1}
     half = collect(tiny_drafter, tiny_target.embed_weight, tiny_target.lm_head_weight, [batch], depth=3, keep=0.5)
     assert 0 < len(half) < len(data)
+
+
+def test_a_fitted_head_carries_its_held_out_ece_into_what_serving_checks(tiny_target, agreeing_drafter):
+    """fit_confidence records the ECE it measured on the held-out half on the head; the frozen head
+    (what a retrain saves) keeps it, so serving can refuse a head that is not calibrated."""
+    from tide.drafter.confidence import frozen, serving_head
+    from tide.train.confidence import fit_confidence
+    from tide.train.offline import generate_samples
+
+    drafter, prompts = agreeing_drafter
+    g = torch.Generator().manual_seed(4)
+    others = [torch.randint(3, tiny_target.shape.vocab_size, (10,), generator=g).tolist() for _ in range(8)]
+    train = generate_samples(tiny_target, prompts + others[:4], 48, (), progress=False)
+    held = generate_samples(tiny_target, prompts + others[4:], 48, (), progress=False)
+    head, report = fit_confidence(drafter, tiny_target.embed_weight, tiny_target.lm_head_weight, train, held,
+                                  depth=3, batch_tokens=512, max_len=128)
+    assert report["test_rows"] > 0 and head.heldout_ece == report["ece"]
+    conf = frozen(head)
+    assert conf.heldout_ece == report["ece"]
+    assert (serving_head(conf)[0] is conf) == (report["ece"] <= 0.05)
