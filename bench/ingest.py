@@ -1,4 +1,4 @@
-"""Ingest rate vs the broker's raw consume rate for the same messages, in one run.
+"""Ingest rate vs the broker's raw consume rate for the same messages, one and two replicas.
 
 Steps:
 1. start an in-memory tansu on a free port (or use --bootstrap-servers);
@@ -6,20 +6,25 @@ Steps:
    100-700 positions, chunked under 900 kB as capture does) into a fresh 4-partition topic;
 3. raw consume: a worker process reads every message with plain kafka-python (assign, no group,
    nothing done with the values);
-4. ingest: a worker process runs the real ``Ingestor`` (group join, decode, Parquet, fsync,
-   rename, index, commit) over the same messages until everything is committed;
-5. both workers time from their first non-empty poll to their last message (ingest: to its last
-   commit) and report peak RSS (VmHWM); steps 3-4 alternate for --rounds rounds so load from
-   other processes hits both alike; the median ratio is the result. Table, optionally --json.
+4. one replica: a worker process runs the real ``Ingestor`` (group join, decode, Parquet data
+   files, Delta commits with application transactions, Kafka commits) into a fresh table (a
+   local directory) until its group has committed everything;
+5. two replicas: two such workers in one group over the same backlog into one fresh table;
+   their combined rate runs from the first one's first message to the last one's last commit;
+6. every worker times from its first non-empty poll and reports peak RSS (VmHWM); steps 3-5
+   alternate for --rounds rounds so load from other processes hits all alike. Results: the
+   median ratio one replica / raw (floor 0.8), two replicas / one with its range over the rounds
+   (floor 1.3 on 2 cores with the broker beside them), the ingest peak RSS (floor < 1 GiB).
 
     python -m bench.ingest [--backlog-mb 1024] [--json reports/bench/ingest.json]
-    python -m bench.ingest --backlog-mb 200       # a short run: the fixed durable tail weighs more
+    python -m bench.ingest --backlog-mb 200       # a short run: the fixed commit tail weighs more
 """
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +35,7 @@ from pathlib import Path
 
 HIDDEN = 576
 MAX_MESSAGE_BYTES = 900_000
+PARTITIONS = 4
 
 
 def _peak_rss_mib() -> float:
@@ -109,51 +115,94 @@ def worker_consume(args: argparse.Namespace) -> dict:
             "rss_after_imports_mib": idle_rss}
 
 
+def _group_done(consumer, topic: str, ends: dict) -> bool:
+    from kafka import TopicPartition
+
+    return all((consumer.committed(TopicPartition(topic, tp.partition)) or 0) >= end for tp, end in ends.items())
+
+
 def worker_ingest(args: argparse.Namespace) -> dict:
+    """One ingest replica of group ``--group``: runs until the whole group has committed the backlog."""
+    from kafka import KafkaConsumer, TopicPartition
+
     from tide import metrics
     from tide.config import IngestConfig, KafkaConfig
     from tide.dataset.ingest import Ingestor
 
-    config = IngestConfig(group_id=f"bench-{uuid.uuid4().hex[:8]}", metrics_port=0)
+    config = IngestConfig(group_id=args.group, metrics_port=0)
     kafka = KafkaConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic,
                         dead_letter_topic=args.topic + ".dead-letter")
     sys.setswitchinterval(config.switch_interval_s)  # as tide/services/ingest.py does
+    probe = KafkaConsumer(bootstrap_servers=args.bootstrap_servers, group_id=args.group, enable_auto_commit=False)
+    parts = [TopicPartition(args.topic, p) for p in sorted(probe.partitions_for_topic(args.topic))]
+    ends = probe.end_offsets(parts)
     ingestor = Ingestor(config, kafka, args.data_dir)
     ingestor.open()
     idle_rss = _peak_rss_mib()
     first = None
-    count = 0
+    count = polls = 0
     cpu = time.process_time()
-    while count < args.messages:
-        t = time.perf_counter()
+    while True:
+        t = time.time()
         n = ingestor.poll_once()
         if n and first is None:
             first = t
         count += n
-    ingestor.close(flush=True)  # seals, fsyncs and commits what is still open
-    elapsed = time.perf_counter() - first
+        polls += 1
+        if n == 0 or polls % 10 == 0:
+            mine = ingestor.positions()  # all of ours consumed: close commits it (no roll wait)
+            if mine and all(p >= ends[tp] for tp, p in mine.items()):
+                break
+            if not mine and n == 0 and _group_done(probe, args.topic, ends):
+                break
+    ingestor.close(flush=True)  # commits what is still open (nothing, once the group is done)
+    last = time.time()
     cpu = time.process_time() - cpu
-    nbytes = args.bytes
-    return {"messages": count, "bytes": nbytes, "seconds": elapsed, "cpu_seconds": cpu,
-            "mb_per_s": nbytes / elapsed / 1e6, "peak_rss_mib": _peak_rss_mib(),
-            "rss_after_imports_mib": idle_rss,
-            "files": int(metrics.INGEST_FILES._value.get()),
-            "rows": int(metrics.INGEST_ROWS._value.get())}
+    probe.close(autocommit=False)
+    nbytes = args.bytes * count / max(1, args.messages)
+    first = last if first is None else first
+    return {"messages": count, "bytes": nbytes, "first_s": first, "last_s": last, "seconds": last - first,
+            "cpu_seconds": cpu, "mb_per_s": nbytes / max(1e-9, last - first) / 1e6,
+            "peak_rss_mib": _peak_rss_mib(), "rss_after_imports_mib": idle_rss,
+            "files": int(metrics.INGEST_FILES._value.get()), "rows": int(metrics.INGEST_ROWS._value.get())}
+
+
+def _worker_cmd(kind: str, bootstrap: str, topic: str, messages: int, nbytes: int, data_dir: str,
+                group: str = "") -> list[str]:
+    return [sys.executable, "-m", "bench.ingest", "--worker", kind, "--bootstrap-servers", bootstrap,
+            "--topic", topic, "--messages", str(messages), "--bytes", str(nbytes), "--data-dir", data_dir,
+            "--group", group]
+
+
+def _run_workers(cmds: list[list[str]]) -> list[dict]:
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench worker failed: {stderr[-2000:]}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
 def _run_worker(kind: str, bootstrap: str, topic: str, messages: int, nbytes: int,
-                data_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.ingest", "--worker", kind, "--bootstrap-servers", bootstrap,
-           "--topic", topic, "--messages", str(messages), "--bytes", str(nbytes),
-           "--data-dir", data_dir]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                data_dir: str, group: str = "") -> dict:
+    return _run_workers([_worker_cmd(kind, bootstrap, topic, messages, nbytes, data_dir, group)])[0]
+
+
+def _two_replicas(bootstrap: str, topic: str, messages: int, nbytes: int, data_dir: str) -> dict:
+    group = f"bench-{uuid.uuid4().hex[:8]}"
+    a, b = _run_workers([_worker_cmd("ingest", bootstrap, topic, messages, nbytes, data_dir, group)
+                         for _ in range(2)])
+    seconds = max(a["last_s"], b["last_s"]) - min(a["first_s"], b["first_s"])
+    return {"replicas": [a, b], "messages": a["messages"] + b["messages"], "seconds": seconds,
+            "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mib": max(a["peak_rss_mib"], b["peak_rss_mib"])}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backlog-mb", type=float, default=1024.0,
-                        help="backlog to ingest (default: the issue's 1 GB; at 200 MB the fixed durable "
+                        help="backlog to ingest (default 1 GB; at 200 MB the fixed durable "
                              "tail, the last files' fsync + commit, weighs ~0.5 s against ~2 s of consuming)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating raw/ingest rounds")
     parser.add_argument("--bootstrap-servers", default="")
@@ -163,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--group", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         result = worker_consume(args) if args.worker == "consume" else worker_ingest(args)
@@ -182,39 +232,50 @@ def main(argv: list[str] | None = None) -> int:
             bootstrap = stack.bootstrap_servers
         try:
             topic = f"tide.bench.{uuid.uuid4().hex[:8]}"
-            ensure_topics(IngestConfig(), KafkaConfig(bootstrap_servers=bootstrap, topic=topic,
+            ensure_topics(IngestConfig(topic_partitions=PARTITIONS), KafkaConfig(bootstrap_servers=bootstrap, topic=topic,
                                                       dead_letter_topic=topic + ".dead-letter"))
             t = time.perf_counter()
             messages, nbytes = produce_backlog(bootstrap, topic, int(args.backlog_mb * 1e6))
             produce_s = time.perf_counter() - t
             rounds = []
-            for r in range(args.rounds):  # alternate, so load from elsewhere hits both alike
+            for r in range(args.rounds):  # alternate, so load from elsewhere hits all alike
                 raw = _run_worker("consume", bootstrap, topic, messages, nbytes, tmp)
-                ingest = _run_worker("ingest", bootstrap, topic, messages, nbytes,
-                                     str(Path(tmp) / f"data-{r}"))
-                rounds.append({"raw_consume": raw, "ingest": ingest,
-                               "ratio": ingest["mb_per_s"] / raw["mb_per_s"]})
+                one = _run_worker("ingest", bootstrap, topic, messages, nbytes, str(Path(tmp) / f"one-{r}"),
+                                  f"bench-{uuid.uuid4().hex[:8]}")
+                shutil.rmtree(Path(tmp) / f"one-{r}", ignore_errors=True)
+                two = _two_replicas(bootstrap, topic, messages, nbytes, str(Path(tmp) / f"two-{r}"))
+                shutil.rmtree(Path(tmp) / f"two-{r}", ignore_errors=True)
+                assert one["messages"] == messages and two["messages"] >= messages, (one, two)
+                rounds.append({"raw_consume": raw, "ingest": one, "two_replicas": two,
+                               "ratio": one["mb_per_s"] / raw["mb_per_s"],
+                               "scale_out": two["mb_per_s"] / one["mb_per_s"]})
         finally:
             if stack is not None:
                 stack.stop()
     rows = [("", "MB/s", "seconds", "CPU s", "peak RSS MiB", "RSS after start MiB")]
     for r, result in enumerate(rounds):
-        for name, key in (("raw consume (kafka-python)", "raw_consume"),
-                          ("ingest (Parquet+fsync+commit)", "ingest")):
+        for name, key in (("raw consume (kafka-python)", "raw_consume"), ("ingest, 1 replica (Delta)", "ingest")):
             x = result[key]
             rows.append((f"round {r + 1}: {name}", f"{x['mb_per_s']:.1f}", f"{x['seconds']:.1f}",
-                         f"{x['cpu_seconds']:.1f}", f"{x['peak_rss_mib']:.0f}",
-                         f"{x['rss_after_imports_mib']:.0f}"))
-        rows.append((f"round {r + 1}: ratio ingest / raw", f"{result['ratio']:.2f}", "", "", ""))
+                         f"{x['cpu_seconds']:.1f}", f"{x['peak_rss_mib']:.0f}", f"{x['rss_after_imports_mib']:.0f}"))
+        two = result["two_replicas"]
+        rows.append((f"round {r + 1}: ingest, 2 replicas combined", f"{two['mb_per_s']:.1f}", f"{two['seconds']:.1f}",
+                     "", f"{two['peak_rss_mib']:.0f}", ""))
+        rows.append((f"round {r + 1}: 1 replica / raw; 2 replicas / 1", f"{result['ratio']:.2f}; {result['scale_out']:.2f}",
+                     "", "", "", ""))
     ratio = statistics.median(r["ratio"] for r in rounds)
-    peak = max(r["ingest"]["peak_rss_mib"] for r in rounds)
-    rows.append(("median ratio (floor 0.8)", f"{ratio:.2f}", "", "", ""))
-    rows.append(("ingest peak RSS (floor < 1024 MiB at 1 GB)", f"{peak:.0f}", "", "", ""))
-    print_table(f"Ingest vs raw consume: {messages} messages, {nbytes / 1e6:.0f} MB backlog "
+    scale = [r["scale_out"] for r in rounds]
+    peak = max(max(r["ingest"]["peak_rss_mib"], r["two_replicas"]["peak_rss_mib"]) for r in rounds)
+    rows.append(("median 1 replica / raw (floor 0.8)", f"{ratio:.2f}", "", "", "", ""))
+    rows.append(("2 replicas / 1: median [min, max] (floor 1.3)",
+                 f"{statistics.median(scale):.2f} [{min(scale):.2f}, {max(scale):.2f}]", "", "", "", ""))
+    rows.append(("ingest peak RSS (floor < 1024 MiB at 1 GB)", f"{peak:.0f}", "", "", "", ""))
+    print_table(f"Ingest vs raw consume: {messages} messages, {nbytes / 1e6:.0f} MB backlog on {PARTITIONS} partitions "
                 f"(produced in {produce_s:.1f} s), {args.rounds} alternating rounds", rows)
     write_json(args.json, {"backlog_bytes": nbytes, "messages": messages, "rounds": rounds,
-                           "median_ratio": ratio, "ingest_peak_rss_mib": peak,
-                           "floors": {"ratio": 0.8, "peak_rss_mib_at_1gb": 1024}})
+                           "median_ratio": ratio, "scale_out_median": statistics.median(scale),
+                           "scale_out_range": [min(scale), max(scale)], "ingest_peak_rss_mib": peak,
+                           "floors": {"ratio": 0.8, "scale_out": 1.3, "peak_rss_mib_at_1gb": 1024}})
     return 0
 
 

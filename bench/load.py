@@ -16,8 +16,13 @@ Steps:
 5. report: every answer by kind and status, 5xx other than 503, 503s without Retry-After, accepted
    outputs that differ from solo, truncated streams; /health and /metrics latency p50 / p99 idle
    vs under load, with 90% bootstrap intervals of the p99s and of their ratio.
+With ``--engines N`` (N > 1) step 1 starts N engine processes behind the local front
+(tide/services/front.py, as ``tide up --engines N`` runs them): the solo outputs, the streams and the
+probes go through the front, and the report adds its counters (retries, cut streams, no backend);
+the slow-header connections go to the first engine itself, whose connection limits they test (the
+front is a local convenience without them; in Kubernetes the Service fronts the replicas).
 
-    python -m bench.load [--target smollm2|tiny] [--streams 64] [--slow 200] [--duration-s 60] [--json PATH]
+    python -m bench.load [--target smollm2|tiny] [--engines 1] [--streams 64] [--slow 200] [--duration-s 60] [--json PATH]
 """
 from __future__ import annotations
 
@@ -125,7 +130,7 @@ async def slow_client(host: str, port: int, args, stop_at: float, out: list) -> 
 
 
 async def run_load(url: str, args, out_path: Path) -> None:
-    host, port = url.removeprefix("http://").split(":")
+    host, port = (args.slow_url or url).removeprefix("http://").split(":")
     stop_at = time.monotonic() + args.duration_s
     out: list[dict] = []
     limits = httpx.Limits(max_connections=args.streams, max_keepalive_connections=args.streams)
@@ -141,8 +146,9 @@ async def run_load(url: str, args, out_path: Path) -> None:
 class Prober:
     """GET /health every ``every_s`` (and /metrics every 5th time), one new connection each."""
 
-    def __init__(self, url: str, every_s: float) -> None:
+    def __init__(self, url: str, every_s: float, metrics_url: str | None = None) -> None:
         self.url, self.every_s = url, every_s
+        self.metrics_url = metrics_url or url  # a front has no /metrics: an engine's
         self.samples: dict[str, list[tuple[float, int]]] = {"/health": [], "/metrics": []}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -154,7 +160,7 @@ class Prober:
                 for path in ("/health", "/metrics") if n % 5 == 0 else ("/health",):
                     t0 = time.perf_counter()
                     try:
-                        status = client.get(self.url + path).status_code
+                        status = client.get((self.metrics_url if path == "/metrics" else self.url) + path).status_code
                     except httpx.HTTPError:
                         status = 0
                     self.samples[path].append((time.perf_counter() - t0, status))
@@ -222,47 +228,76 @@ def solo_outputs(url: str, args) -> dict[int, str]:
     return {r["prompt"]: r["text"] for r in out}
 
 
+def start_engines(args, work: Path) -> tuple[str, list[str], list]:
+    """The engines (and with several, the front before them): (url, engine urls, processes)."""
+    from tide.process import free_port, python_service
+
+    config = engine_config(args, work)
+    ports = [free_port() for _ in range(args.engines)]
+    procs = [python_service(f"engine-load-{i}", "tide.services.engine", ["--config", str(config), "--port", str(p)],
+                            work / "logs", health_url=f"http://127.0.0.1:{p}/health").start()
+             for i, p in enumerate(ports)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    for proc in procs:
+        proc.wait_healthy(timeout_s=600)
+    if args.engines == 1:
+        return urls[0], urls, procs
+    front = free_port()
+    proc = python_service("front-load", "tide.services.front", [a for u in urls for a in ("--backend", u)] + [
+        "--port", str(front)], work / "logs", health_url=f"http://127.0.0.1:{front}/health").start()
+    procs.append(proc)
+    proc.wait_healthy(timeout_s=60)
+    return f"http://127.0.0.1:{front}", urls, procs
+
+
 def run_bench(args) -> dict:
     import subprocess
-
-    from tide.process import free_port, python_service
 
     work = Path(args.work or tempfile.mkdtemp(prefix="tide-bench-load-"))
     work.mkdir(parents=True, exist_ok=True)
     t_begin = time.monotonic()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = python_service("engine-load", "tide.services.engine", ["--config", str(engine_config(args, work)),
-                          "--port", str(port)], work / "logs", health_url=url + "/health")
-    proc.start()
+    procs: list = []
     try:
-        proc.wait_healthy(timeout_s=600)
+        url, engine_urls, procs = start_engines(args, work)
         solo = solo_outputs(url, args)
         print(f"solo: {len(solo)} greedy outputs, one request at a time", flush=True)
-        idle = Prober(url, args.probe_s).run_for(args.idle_s)
+        idle = Prober(url, args.probe_s, metrics_url=engine_urls[0]).run_for(args.idle_s)
         print(f"idle probes: {len(idle['/health'])} /health", flush=True)
         out = work / "load.jsonl"
-        loadgen = [sys.executable, "-m", "bench.load", "--loadgen", url, "--out", str(out)] + [
-            f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LOADGEN_ARGS]
-        prober = Prober(url, args.probe_s)
+        loadgen = [sys.executable, "-m", "bench.load", "--loadgen", url, "--out", str(out),
+                   f"--slow-url={engine_urls[0]}"] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in LOADGEN_ARGS]
+        prober = Prober(url, args.probe_s, metrics_url=engine_urls[0])
         prober.start()
         subprocess.run(loadgen, check=True, timeout=args.duration_s + 1200)
         load = prober.stop()
-        metrics_text = httpx.get(url + "/metrics").text
+        metrics_texts = [httpx.get(u + "/metrics").text for u in engine_urls]
+        front = httpx.get(url + "/health").json().get("counts") if args.engines > 1 else None
     finally:
-        proc.stop()
+        for proc in reversed(procs):
+            proc.stop()
     results = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return analyse(args, results, solo, idle, load, metrics_text, time.monotonic() - t_begin, work)
+    summary = analyse(args, results, solo, idle, load, metrics_texts, time.monotonic() - t_begin, work)
+    summary.update(engines=args.engines, front_counts=front)
+    # the front retries what had not started; a stream it had to cut, or no engine up, fails the run
+    summary["ok"] = summary["ok"] and not (front or {}).get("cut") and not (front or {}).get("no_backend")
+    return summary
 
 
-def refused_by_reason(metrics_text: str) -> dict[str, float]:
+def refused_by_reason(metrics_texts: list[str]) -> dict[str, float]:
+    """The engines' connection refusals by reason, summed over the engines."""
+    from collections import Counter
+
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {s.labels["reason"]: s.value for fam in text_string_to_metric_families(metrics_text)
-            if fam.name == "tide_engine_http_connections_refused" for s in fam.samples if s.name.endswith("_total")}
+    out: Counter[str] = Counter()
+    for text in metrics_texts:
+        for fam in text_string_to_metric_families(text):
+            if fam.name == "tide_engine_http_connections_refused":
+                out.update({s.labels["reason"]: s.value for s in fam.samples if s.name.endswith("_total")})
+    return dict(out)
 
 
-def analyse(args, results: list[dict], solo: dict, idle: dict, load: dict, metrics_text: str, wall_s: float,
+def analyse(args, results: list[dict], solo: dict, idle: dict, load: dict, metrics_texts: list[str], wall_s: float,
             work: Path) -> dict:
     from collections import Counter
 
@@ -287,7 +322,7 @@ def analyse(args, results: list[dict], solo: dict, idle: dict, load: dict, metri
         "503_without_retry_after": sum(1 for r in streams + slow if r["status"] == 503 and not r["retry_after"]),
         "probe_statuses": {k: dict(Counter(str(s) for _, s in v)) for k, v in probes.items()},
         "probe_p50_s": {k: percentile([t for t, _ in v], 50) for k, v in probes.items()},
-        "latency": latency, "refused_by_reason": refused_by_reason(metrics_text),
+        "latency": latency, "refused_by_reason": refused_by_reason(metrics_texts),
         "wall_s": wall_s, "work_dir": str(work),
     }
     summary["ok"] = bool(summary["other_5xx"] == summary["503_without_retry_after"] == summary["truncated"]
@@ -318,8 +353,11 @@ def print_summary(s: dict) -> None:
                      f"{ms(lat['load_p99_s'])} {iv(lat['load_p99_interval_s'])}",
                      f"ratio {lat['ratio']:.2f} [{lat['ratio_interval'][0]:.2f}, {lat['ratio_interval'][1]:.2f}]"))
     rows.append(("probe statuses", json.dumps(s["probe_statuses"])))
+    if s.get("front_counts") is not None:
+        rows.append((f"front over {s['engines']} engines: counts", json.dumps(s["front_counts"])))
     rows.append(("all checks", "pass" if s["ok"] else "FAIL", f"(wall {s['wall_s']:.0f} s)"))
-    print_table(f"serving under load ({s['target']}: {s['streams']} streams x {s['max_tokens']} tokens + {s['slow']} "
+    engines = f"{s['engines']} engines behind the front, " if s.get("engines", 1) > 1 else ""
+    print_table(f"serving under load ({engines}{s['target']}: {s['streams']} streams x {s['max_tokens']} tokens + {s['slow']} "
                 f"slow-header connections for {s['duration_s']:g} s; max_connections {s['max_connections']}, "
                 f"max_inflight {s['max_inflight']})", rows)
 
@@ -330,6 +368,7 @@ LOADGEN_ARGS = ("streams", "slow", "duration_s", "slow_byte_s", "slow_start_s", 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--engines", type=int, default=1, help="engine processes; more than 1 behind the local front")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--slow", type=int, default=200, help="connections sending headers slowly")
     parser.add_argument("--slow-byte-s", type=float, default=0.5, help="a slow connection sends a byte per this")
@@ -346,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the summary here")
     parser.add_argument("--loadgen", metavar="URL", help=argparse.SUPPRESS)  # internal: the load process
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--slow-url", help=argparse.SUPPRESS)  # internal: where slow connections go
     args = parser.parse_args(argv)
     if args.loadgen:
         asyncio.run(run_load(args.loadgen, args, Path(args.out)))

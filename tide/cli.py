@@ -142,7 +142,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stack = Stack(StackOptions(cfg.home_path, args.bootstrap_servers or "", args.tracking_uri or "",
                                args.data_dir or "", args.durable_broker, prometheus=not args.no_prometheus,
-                               ports=_ports(args)))
+                               ports=_ports(args), engines=args.engines))
     print(f"starting TIDE ({', '.join(stack.parts)}) ...", flush=True)
     stack.start()
     try:
@@ -167,13 +167,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings = DemoSettings.quick() if args.quick else DemoSettings()
     report = Path(args.report) if args.report else cfg.home_path / "reports" / time.strftime("demo-%Y%m%d-%H%M%S")
     summary = run_demo(cfg.home_path, report, settings, args.before, args.after,
-                       args.bootstrap_servers or "", args.tracking_uri or "", _ports(args), args.keep_up)
+                       args.bootstrap_servers or "", args.tracking_uri or "", _ports(args), args.keep_up,
+                       engines=args.engines)
     loop = summary.get("loop", {})
     if not loop.get("closed"):
         print(f"tide demo: the loop did not close: {loop.get('reason') or 'stopped before the shift'}",
               file=sys.stderr)
         return 1
     return 0 if summary.get("traffic", {}).get("after", {}).get("failed", 1) == 0 else 1
+
+
+def _add_engines_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", type=_positive, default=1,
+                   help="engine processes (default 1); several run behind a local round-robin front on the engine port")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
 
 
 def _add_port_flags(p: argparse.ArgumentParser) -> None:
@@ -200,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static", action="store_true", help="the static pre-trained drafter (ShareGPT English)")
     p.add_argument("--quick", action="store_true", help="a small, fast run (tests)")
     p.add_argument("--recipe", choices=("default", "self-generated", "scaled", "large"), default="default",
-                   help="(--static) the recipe: default (= large: 5600 self-generated answers on two generation workers, bf16 training on two processes under a training-time cap, within the 3 CPU-hour budget on a 2-core machine; the packaged drafter's); scaled (3200 answers, one training process: packaged in Sessions 18-19); self-generated (the smaller one packaged until Session 17, for comparisons)")
+                   help="(--static) the recipe: default (= large: 5600 self-generated answers on two generation workers, bf16 training on two processes under a training-time cap, within the 3 CPU-hour budget on a 2-core machine; the packaged drafter's); scaled (3200 answers, one training process: packaged before large); self-generated (the first packaged recipe, for comparisons)")
     p.add_argument("--out", help="output folder (default <home>/drafters/static)")
     p.add_argument("--online", action="store_true",
                    help="one retrain from the captured dataset: warm start from the champion, register a challenger")
@@ -234,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", help="Parquet dataset folder (default <home>/dataset)")
     p.add_argument("--durable-broker", action="store_true", help="tansu on S3 (SeaweedFS) instead of memory")
     p.add_argument("--no-prometheus", action="store_true", help="do not start the local Prometheus (dashboard)")
+    _add_engines_flag(p)
     _add_port_flags(p)
     p.set_defaults(fn=cmd_up)
 
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", help="use this MLflow instead of a local server")
     p.add_argument("--keep-up", action="store_true",
                    help="leave the stack (and its page) running after the report until Ctrl-C / SIGTERM")
+    _add_engines_flag(p)
     _add_port_flags(p)
     p.set_defaults(fn=cmd_demo)
 

@@ -181,7 +181,7 @@ class CaptureConfig:
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """Kafka -> Parquet ingest service, the dataset it writes, and that dataset's retention.
+    """Kafka -> Delta table ingest service, the dataset it writes, and that dataset's retention.
 
     Address and topics are the ``kafka`` section's; how ingest creates those topics is set here."""
 
@@ -193,7 +193,11 @@ class IngestConfig:
     # states are user data, and the topic only needs to outlive an ingest outage; 0 = broker
     # default, -1 = keep forever (Kafka's meaning); the broker refuses other negatives at creation
     topic_retention_ms: int = 24 * 3600 * 1000
-    data_dir: str = ""  # empty = <home>/dataset
+    # the dataset's Delta table: a local directory or s3://bucket/prefix; empty = <home>/dataset
+    data_dir: str = ""
+    # delta-rs/object_store options for an s3:// table (AWS_ENDPOINT_URL, AWS_REGION, AWS_ALLOW_HTTP);
+    # credentials only from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), never here
+    storage_options: Mapping[str, str] = field(default_factory=dict)
     # the tansu broker holds a JoinGroup for about session_timeout/2 before answering: keep it short
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 2000
@@ -216,7 +220,11 @@ class IngestConfig:
     row_group_bytes: int = 32 * 1024 * 1024  # a row group is also closed at this size
     retention_ttl_s: float = 7 * 24 * 3600.0
     retention_max_bytes: int = 50 * 1024**3
-    retention_interval_s: float = 300.0
+    retention_interval_s: float = 300.0  # the scheduler's retention + compaction pass
+    # VACUUM keeps files older versions reference this long (readers pinned to a version; files
+    # being written): deleted rows leave storage this much later. At least 1 in the scheduler's pass
+    vacuum_retention_hours: int = 24
+    compact_target_bytes: int = 128 * 1024 * 1024  # smaller files of a settled hour are merged
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9102  # 0 = no /metrics endpoint
     # sys.setswitchinterval for the service: the consumer's IO thread, the decode loop and the
@@ -345,6 +353,11 @@ class OpsConfig:
     auto_promote: bool = False  # the retrain job promotes its challenger when the policy agrees
     # challenger's held-out sim accept length must be >= its parent's (the champion) x (1 + margin)
     auto_promote_margin: float = 0.05
+    # the one alias writer (tide/ops/aliases.py): the scheduler serves its API on schedule.metrics_port;
+    # empty = this process writes aliases itself under alias_lock_path (one host only)
+    alias_owner_url: str = ""
+    alias_owner_token: str = ""  # its bearer token; empty = server.control_token
+    alias_lock_path: str = ""  # empty = alias.lock beside the scheduler's state file
 
 
 @dataclass(frozen=True)
@@ -352,7 +365,7 @@ class ScheduleConfig:
     """Retrain scheduler: when a retrain launches, how (local process or Kubernetes Job), its lease."""
 
     interval_s: float = 60.0  # how often the trigger policy runs
-    # launch when this many new samples (in sample_unit, from the dataset index) arrived since the
+    # launch when this many new samples (in sample_unit, from the table log) arrived since the
     # last successful retrain; units: tokens | generated_tokens | requests | rows
     min_new_samples: int = 50_000
     sample_unit: str = "tokens"
@@ -391,8 +404,6 @@ class ScheduleConfig:
     k8s_secret_env: Mapping[str, str] = field(default_factory=dict)
     k8s_tide_home: str = "/var/lib/tide"  # TIDE_HOME in k8s_image; the Job's writable folders are under it
     k8s_config_map: str = ""  # ConfigMap with key config.yaml, mounted at /etc/tide in the job
-    k8s_data_pvc: str = ""  # PVC holding the Parquet dataset, mounted at k8s_data_mount_path
-    k8s_data_mount_path: str = "/data/dataset"
     k8s_ttl_after_finished_s: int = 86400
     k8s_in_cluster: bool = True  # False = use ~/.kube/config (running outside the cluster)
 

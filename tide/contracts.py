@@ -26,9 +26,9 @@ RETRAIN_REGISTERED = "registered"  # a challenger version was registered
 RETRAIN_NOTHING_TO_DO = "nothing_to_do"  # not enough readable data: no version, not a failure
 RETRAIN_FAILED = "failed"
 RETRAIN_SUCCESS_STATUSES = (RETRAIN_REGISTERED, RETRAIN_NOTHING_TO_DO)
-# result key: the newest dataset-index created_at_s the retrain listed before reading (every file
-# indexed up to it was read); on success the scheduler's watermark moves there. Also in the summary.
-RESULT_DATA_WATERMARK = "data_watermark_s"
+# result key: the dataset table version the retrain read (the one version it planned its window
+# on); on success the scheduler's watermark moves there. Also in the summary (Kubernetes Jobs).
+RESULT_DATA_WATERMARK = "data_table_version"
 
 # --- how a launched retrain job ended (scheduler state, metrics label ``outcome``) ---
 JOB_SUCCEEDED = "succeeded"
@@ -56,6 +56,8 @@ TAG_REPLAY_REQUESTS = "tide.replay_requests"
 TAG_HELDOUT_REQUESTS = "tide.heldout_requests"
 TAG_HELDOUT_POSITIONS = "tide.heldout_positions"
 TAG_TRAIN_TOKENS = "tide.train_tokens"
+TAG_DATA_VERSION = "tide.data_table_version"  # the dataset table version the retrain read
+TAG_DATA_URI = "tide.data_table_uri"  # the dataset table it read (no credentials: they never are in it)
 TAG_RUN_ID = "tide.run_id"  # the MLflow run that trained it
 TAG_REGISTERED_VERSION = "tide.registered_version"  # run tag: the version the run registered
 TAG_CHECKSUM = "tide.artifact_sha256"  # digest of the whole drafter folder (folder_digest)

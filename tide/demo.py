@@ -19,6 +19,9 @@ scheduler state from a previous run, so the static drafter serves first whatever
 home's caches (converted target, kernel, workload prompts, a locally trained static drafter) are
 linked in, not rebuilt. The shift is written to the page's marks file (``<state>/run/marks.jsonl``):
 nothing else knows it.
+With ``engines`` > 1 the stack runs that many engine processes behind its local front: traffic goes
+through the front, the live acceptance sums every engine's counters, and a swap counts once every
+engine serves the new drafter (the front reports ``mixed`` while a rollout is under way).
 """
 from __future__ import annotations
 
@@ -112,7 +115,7 @@ def fresh_state(home: Path) -> Path:
 
 def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str = "chat", after: str = "code",
              bootstrap_servers: str = "", tracking_uri: str = "", ports: dict[str, int] | None = None,
-             keep_up: bool = False) -> dict:
+             keep_up: bool = False, engines: int = 1) -> dict:
     t_start = time.monotonic()
     home = fresh_state(home)
     overrides = {
@@ -125,7 +128,8 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
         # speculation only where it pays, per workload; the report says when it was on or off and why
         "spec": {"scheduler": SERVED_SCHEDULER},
     }
-    stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides, ports=ports or {}))
+    stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides, ports=ports or {},
+                               engines=engines))
     page_data.marks_path(home).unlink(missing_ok=True)  # a previous run's shift is not this one's
     say(f"starting {', '.join(stack.parts)} ...")
     stack.start()
@@ -156,7 +160,7 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
     say("TIDE is up:\n" + stack.describe())
     url = stack.endpoints["engine"]
     static_version = _champion(url)
-    sampler = AcceptanceSampler(f"{url}/metrics", interval_s=5).start()
+    sampler = AcceptanceSampler([f"{u}/metrics" for u in stack.engine_urls], interval_s=5).start()
     summary: dict = {"settings": settings.__dict__, "endpoints": stack.endpoints, "static_version": static_version}
     swaps: list[tuple[float, str]] = []  # (t_s on the sampler's clock, version)
     try:
@@ -243,6 +247,8 @@ class LoopWatch:
     def on_done(self, *_) -> str:
         """After each request: follow the engine's serving version; returns it."""
         version = _champion(self.stack.endpoints["engine"])
+        if version == "mixed":  # engines disagree while a rollout is under way: not swapped yet
+            version = self.version
         with self._lock:
             if version != self.version:
                 self.swaps.append((time.monotonic() - self.sampler.t0, version))
@@ -350,7 +356,7 @@ def _speculation(stack: Stack, t0_unix: float) -> dict:
     """Per workload, when the serving engine's speculation was on or off and why (its gate's
     changes, timed from traffic start), from the engine's control health view."""
     try:
-        body = httpx.get(f"{stack.endpoints['engine']}/control/health", timeout=10,
+        body = httpx.get(f"{stack.engine_urls[0]}/control/health", timeout=10,
                          headers={"Authorization": f"Bearer {stack.control_token}"}).json()["engine"]
     except Exception as exc:  # reported, not fatal: the report still gets written
         return {"error": f"{type(exc).__name__}: {exc}"}

@@ -187,6 +187,14 @@ OPS_REGISTRY_CONNECTED = Gauge("tide_ops_registry_connected",
 OPS_FOLLOWED_REFUSED = Gauge("tide_ops_followed_version_refused",
                              "1 while the followed alias points at a version this engine refused "
                              "(it keeps serving the drafter it had)")
+OPS_CONVERGED = Gauge("tide_ops_converged",
+                      "1 while the engine serves the version its followed alias names (rollout done here)")
+OPS_SERVING_SINCE = Gauge("tide_ops_serving_since_timestamp_seconds",
+                          "Unix time the serving drafter version started serving")
+OPS_ALIAS_OPERATIONS = Counter("tide_ops_alias_operations_total",
+                               "Alias operations by the alias owner (promote/rollback/auto-promote/collapse), "
+                               "by outcome (applied/not_applied/conflict)", ["op", "outcome"])
+OPS_ALIAS_GENERATION = Gauge("tide_ops_alias_generation", "The alias ledger's generation the owner last applied")
 OPS_OPERATIONS = Counter("tide_ops_operations_total",
                          "Drafter control API calls (list/promote/rollback/operations), by outcome",
                          ["op", "outcome"])

@@ -2,8 +2,9 @@
 
 ``replay`` sends workload prompts to ``/v1/chat/completions`` at a fixed concurrency until the
 prompts run out or ``until()`` says stop; every request is checked (status, finish reason) and
-counted. ``AcceptanceSampler`` scrapes ``/metrics`` every few seconds and turns the counter
-deltas into a time series of tokens per target forward by drafter version. ``loop_status`` is the
+counted. ``AcceptanceSampler`` scrapes ``/metrics`` every few seconds (of every engine, summed,
+when several serve behind a front) and turns the counter deltas into a time series of tokens
+per target forward by drafter version. ``loop_status`` is the
 demo's live line: what ingest has made durable and where the scheduler's retrain stands, read
 from those services' own ``/metrics``.
 """
@@ -120,8 +121,8 @@ class AcceptanceSampler:
     """Background scraper: one point per interval per version whose drafted rows ran target
     forwards in it, and the running count of all target forwards served under each version."""
 
-    def __init__(self, metrics_url: str, interval_s: float = 5.0):
-        self.metrics_url = metrics_url
+    def __init__(self, metrics_url: str | list[str], interval_s: float = 5.0):
+        self.metrics_urls = [metrics_url] if isinstance(metrics_url, str) else list(metrics_url)
         self.interval_s = interval_s
         self.points: list[AcceptancePoint] = []
         self.marks: list[tuple[float, str]] = []  # (t_s, label): shift, swaps
@@ -139,13 +140,20 @@ class AcceptanceSampler:
         self.marks.append((time.monotonic() - self.t0, label))
 
     def sample(self) -> None:
-        try:
-            text = httpx.get(self.metrics_url, timeout=5).text
+        try:  # all engines or none: a missing one would read as counters going backwards
+            texts = [httpx.get(url, timeout=5).text for url in self.metrics_urls]
         except httpx.HTTPError:
             return
-        now = parse_acceptance(text)
+        now: dict[str, tuple[float, float]] = {}
+        served: dict[str, float] = {}
+        for text in texts:
+            for version, (total, count) in parse_acceptance(text).items():
+                was = now.get(version, (0.0, 0.0))
+                now[version] = (was[0] + total, was[1] + count)
+            for version, forwards in parse_served_forwards(text).items():
+                served[version] = served.get(version, 0.0) + forwards
         t = time.monotonic() - self.t0
-        self._served.append((t, parse_served_forwards(text)))
+        self._served.append((t, served))
         for version, (s, c) in now.items():
             ls, lc = self._last.get(version, (0.0, 0.0))
             if c > lc:

@@ -55,6 +55,31 @@ def durable_broker(tmp_path):
 
 
 @pytest.fixture
+def s3_store(tmp_path):
+    """SeaweedFS's S3 alone with the dataset's bucket; ``.uri(name)`` is a table URI on it and
+    ``.env`` the AWS_* variables a process needs to reach it (options and keys)."""
+    try:
+        broker_scripts.find_weed()
+    except broker_scripts.BrokerError as exc:
+        pytest.skip(str(exc))
+    stack = broker_scripts.BrokerStack("store", broker_scripts.free_port(), tmp_path / "s3-store",
+                                       buckets=(broker_scripts.DATASET_BUCKET,))
+    try:
+        stack.start()
+    except Exception:
+        stack.stop()
+        raise
+    stack.options = broker_scripts.local_s3_options(stack.s3_port)
+    stack.env = {**stack.options, **broker_scripts.LOCAL_S3_KEYS}
+    stack.uri = lambda name: f"s3://{broker_scripts.DATASET_BUCKET}/{name}"
+    yield stack
+    if stack.weed is not None and stack.weed.poll() is None:
+        stack.weed.kill()  # its data is thrown away
+        stack.weed.wait(timeout=10)
+    shutil.rmtree(tmp_path / "s3-store", ignore_errors=True)
+
+
+@pytest.fixture
 def free_port():
     """A function returning a free loopback port."""
     return broker_scripts.free_port

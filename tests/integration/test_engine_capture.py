@@ -6,7 +6,7 @@ import torch
 
 from tide.capture.tap import CaptureTap
 from tide.config import CaptureConfig, IngestConfig, KafkaConfig
-from tide.dataset import DatasetIndex, DatasetReader
+from tide.dataset import DatasetReader, DatasetTable
 from tide.dataset.ingest import ensure_topics
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine
@@ -57,7 +57,7 @@ def test_engine_requests_land_in_parquet_bit_identical(memory_broker, topic_name
     ensure_topics(icfg, kafka)
     data_dir = tmp_path / "data"
     with capture_kit.IngestThread(icfg, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["requests"] >= n - 1, 60, what="requests in Parquet")
+        wait(lambda: DatasetTable(data_dir).summary()["requests"] >= n - 1, 60, what="requests in Parquet")
         wait(lambda: capture_kit.caught_up(kafka, icfg.group_id), 60, what="ingest committed the whole topic")
     reader = DatasetReader(data_dir)
     samples = {s.request_id: s for s in reader.samples()}

@@ -1,7 +1,10 @@
-"""Ingest service SIGKILLed at random points: no partial files, no duplicate and no missing rows."""
+"""Two ingest processes in one consumer group on a 4-partition topic, SIGKILLed five times at random
+points (at least once between the table commit and the Kafka offset commit), on a local
+directory and on SeaweedFS's S3: afterwards every acknowledged record is in the Delta table
+exactly once, its bytes intact."""
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import random
 import signal
@@ -9,20 +12,21 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
+import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from tide.config import IngestConfig, KafkaConfig
-from tide.dataset.ingest import ensure_topics
-from tide.dataset.schema import list_files
+from tide.dataset.ingest import FAULT_DIR_ENV, ensure_topics
+from tide.dataset.location import Location
+from tide.dataset.table import DatasetTable
 from tide.records import Record, encode, split
 
 KILLS = 5
+PARTITIONS = 4
 H = 64
 
 
@@ -37,8 +41,13 @@ def _record(i: int, rng: np.random.Generator) -> Record:
         aux_hidden=rng.bytes(t * 3 * H * 2), final_hidden=rng.bytes(t * H * 2))
 
 
+def _digest(aux: bytes, final: bytes) -> str:
+    return hashlib.blake2b(aux + final, digest_size=16).hexdigest()
+
+
 class Traffic(threading.Thread):
-    """Produces chunked records at a steady rate until stopped; remembers what was acked."""
+    """Produces chunked records at a steady rate until stopped; remembers what the broker acked
+    (request id, chunk index) -> digest of the chunk's hidden states."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         super().__init__(daemon=True)
@@ -46,7 +55,8 @@ class Traffic(threading.Thread):
                                       compression_type="zstd")
         self.topic = topic
         self.stop = threading.Event()
-        self.sent: list[tuple[str, int]] = []  # (request id, chunk index)
+        self.acked: dict[tuple[str, int], str] = {}
+        self.failed = 0
 
     def run(self) -> None:
         rng = np.random.default_rng(3)
@@ -54,105 +64,128 @@ class Traffic(threading.Thread):
         while not self.stop.is_set():
             rec = _record(i, rng)
             for chunk in split(rec, 40_000):
-                self.producer.send(self.topic, key=rec.request_id.encode(), value=encode(chunk))
-                self.sent.append((rec.request_id, chunk.chunk_index))
+                key = (rec.request_id, chunk.chunk_index)
+                digest = _digest(chunk.aux_hidden, chunk.final_hidden)
+                future = self.producer.send(self.topic, key=rec.request_id.encode(), value=encode(chunk))
+                future.add_callback(lambda _, k=key, d=digest: self.acked.__setitem__(k, d))
+                future.add_errback(lambda _: setattr(self, "failed", self.failed + 1))
             i += 1
             time.sleep(0.05)
         self.producer.flush(30)
         self.producer.close()
 
 
-def _start_service(env: dict, log_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tide.services.ingest", "--log-level", "INFO"], env=env,
-                            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
-
-
-def _committed_all(bootstrap: str, group: str, topic: str, partitions: int) -> bool:
+def _committed_all(bootstrap: str, group: str, topic: str) -> bool:
     # a consumer that never subscribes reads the group's offsets without joining it
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     try:
-        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
         ends = consumer.end_offsets(tps)  # the memory engine reports these correctly
         return all((consumer.committed(tp) or 0) >= ends[tp] for tp in tps)
     finally:
         consumer.close(autocommit=False)
 
 
-def _visible_files_are_complete(data_dir: Path) -> int:
-    for path in list_files(data_dir):
-        meta = pq.ParquetFile(path).metadata  # a partial file has no footer and fails here
-        assert meta.num_rows > 0
-    return len(list_files(data_dir))
+class Replica:
+    """One ingest service process with its own fault folder (tide/dataset/ingest.py FAULT_DIR_ENV)."""
+
+    def __init__(self, name: str, env: dict, tmp_path: Path) -> None:
+        self.fault_dir = tmp_path / f"fault-{name}"
+        self.fault_dir.mkdir()
+        self.env = {**env, FAULT_DIR_ENV: str(self.fault_dir)}
+        self.log = tmp_path / f"ingest-{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tide.services.ingest", "--log-level", "INFO"],
+                                     env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def pause_after_table_commit(self, on: bool) -> None:
+        flag = self.fault_dir / "pause-after-table-commit"
+        flag.touch() if on else flag.unlink(missing_ok=True)
+
+    def paused(self) -> bool:
+        return (self.fault_dir / f"paused-{self.proc.pid}").exists()
 
 
-def test_sigkill_five_times_no_partial_files_no_duplicates_no_loss(memory_broker, topic_name,
-                                                                   tmp_path, wait, free_port):
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_two_replicas_sigkilled_five_times_store_every_acked_record_exactly_once(
+        store, memory_broker, topic_name, tmp_path, wait, request):
     bs = memory_broker.bootstrap_servers
-    partitions = 3
     group = topic_name + ".ingest"
-    data_dir = tmp_path / "data"
-    ensure_topics(IngestConfig(topic_partitions=partitions),
+    if store == "s3":
+        s3 = request.getfixturevalue("s3_store")
+        uri, store_env = s3.uri(topic_name), s3.env
+    else:
+        uri, store_env = str(tmp_path / "data"), {}
+    table = DatasetTable(Location.from_uri(uri, store_env))
+    ensure_topics(IngestConfig(topic_partitions=PARTITIONS),
                   KafkaConfig(bootstrap_servers=bs, topic=topic_name, dead_letter_topic=topic_name + ".dl"))
-    env = {**os.environ, "TIDE_HOME": str(tmp_path / "home"),
+    env = {**os.environ, **store_env, "TIDE_HOME": str(tmp_path / "home"),
            "TIDE_KAFKA__BOOTSTRAP_SERVERS": bs, "TIDE_KAFKA__TOPIC": topic_name,
            "TIDE_KAFKA__DEAD_LETTER_TOPIC": topic_name + ".dl", "TIDE_INGEST__GROUP_ID": group,
-           "TIDE_INGEST__TOPIC_PARTITIONS": str(partitions), "TIDE_INGEST__DATA_DIR": str(data_dir),
-           # small files and frequent commits: kills land before, inside and after flushes
+           "TIDE_INGEST__TOPIC_PARTITIONS": str(PARTITIONS), "TIDE_INGEST__DATA_DIR": uri,
+           # small batches and frequent commits: kills land before, inside and after commits
            "TIDE_INGEST__FILE_MAX_ROWS": "6", "TIDE_INGEST__ROW_GROUP_ROWS": "2",
            "TIDE_INGEST__ROLL_INTERVAL_S": "0.5", "TIDE_INGEST__SESSION_TIMEOUT_MS": "3000",
            "TIDE_INGEST__HEARTBEAT_INTERVAL_MS": "1000", "TIDE_INGEST__METRICS_PORT": "0"}
-    log_path = tmp_path / "ingest.log"
+    replicas = [Replica("a", env, tmp_path), Replica("b", env, tmp_path)]
     traffic = Traffic(bs, topic_name)
-    traffic.start()
     rng = random.Random(11)
-    kills_with_temporaries = 0
-    files_before = 0
-    proc = None
+    between_commits = 0
     try:
-        for _ in range(KILLS):
-            proc = _start_service(env, log_path)
-            # kill only once this run has made progress of its own
-            wait(lambda: len(list_files(data_dir)) > files_before, 60, interval_s=0.05,
-                 what="ingest to write a file")
-            time.sleep(rng.uniform(0.0, 1.5))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
-            kills_with_temporaries += any(data_dir.glob("target_model=*/date=*/hour=*/.*.tmp"))
-            files_before = _visible_files_are_complete(data_dir)
+        for r in replicas:
+            r.start()
+        traffic.start()
+        wait(lambda: table.exists() and (table.version() or 0) > 0, 120, interval_s=0.1, what="a first commit")
+        for k in range(KILLS):
+            victim = replicas[rng.randrange(2)]
+            if k in (1, 3):  # between its table commit and its offset commit
+                victim.pause_after_table_commit(True)
+                wait(victim.paused, 120, interval_s=0.05, what="a replica paused after its table commit")
+                victim.kill()
+                victim.pause_after_table_commit(False)
+                between_commits += 1
+            else:  # anywhere, once the table has moved since the last kill
+                seen = table.version()
+                wait(lambda: table.version() > seen, 120, interval_s=0.05, what="ingest progress")
+                time.sleep(rng.uniform(0.0, 1.0))  # a random point: the kill's position, not a wait
+                victim.kill()
+            victim.start()
         traffic.stop.set()
         traffic.join(timeout=60)
-        metrics_port = free_port()
-        proc = _start_service({**env, "TIDE_INGEST__METRICS_PORT": str(metrics_port)}, log_path)
-        wait(lambda: _committed_all(bs, group, topic_name, partitions), 120, interval_s=1.0,
-             what="the final run to commit everything")
-        exposition = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                            timeout=5).read().decode()
-        assert 'tide_ingest_commits_total{outcome="ok"}' in exposition
-        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/health", timeout=5).read())
-        assert health["status"] == "ok" and health["state"] == "consuming", health
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert traffic.failed == 0
+        wait(lambda: _committed_all(bs, group, topic_name), 180, interval_s=1.0,
+             what="the replicas to commit everything")
+        for r in replicas:
+            r.proc.send_signal(signal.SIGTERM)
+        for r in replicas:
+            assert r.proc.wait(timeout=60) == 0
     finally:
         traffic.stop.set()
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for r in replicas:
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
 
-    assert not list(data_dir.glob("target_model=*/date=*/hour=*/.*.tmp"))
-    _visible_files_are_complete(data_dir)
-    rows = [pq.read_table(p, columns=["kafka_partition", "kafka_offset", "request_id",
-                                      "chunk_index"]) for p in list_files(data_dir)]
-    offsets = Counter((p, o) for t in rows for p, o in zip(t.column("kafka_partition").to_pylist(),
-                                                           t.column("kafka_offset").to_pylist()))
-    chunks = Counter((r, c) for t in rows for r, c in zip(t.column("request_id").to_pylist(),
-                                                          t.column("chunk_index").to_pylist()))
-    duplicates = sum(n - 1 for n in offsets.values() if n > 1)
-    assert duplicates == 0
-    assert set(chunks) == set(traffic.sent) and sum(chunks.values()) == len(traffic.sent)
-    for p in range(partitions):
+    stored = [table.open_file(f.path).read(columns=["kafka_partition", "kafka_offset", "request_id", "chunk_index",
+                                                    "aux_hidden", "final_hidden"])
+              for f in table.data_files()]
+    rows = [row for t in stored for row in t.to_pylist()]
+    offsets = Counter((r["kafka_partition"], r["kafka_offset"]) for r in rows)
+    chunks = Counter((r["request_id"], r["chunk_index"]) for r in rows)
+    assert max(offsets.values()) == 1 and max(chunks.values()) == 1  # nothing twice
+    assert set(chunks) == set(traffic.acked) and len(rows) == len(traffic.acked)  # nothing lost
+    assert {(r["request_id"], r["chunk_index"]): _digest(r["aux_hidden"], r["final_hidden"])
+            for r in rows} == traffic.acked  # the bytes as produced
+    for p in range(PARTITIONS):
         got = sorted(o for (q, o) in offsets if q == p)
-        assert got == list(range(len(got)))  # contiguous from 0: nothing missing
-    log_text = log_path.read_text()
-    print(f"{len(traffic.sent)} messages, {len(list_files(data_dir))} files, {KILLS} kills, "
-          f"{kills_with_temporaries} with a half-written file, "
-          f"{log_text.count('already on disk')} resumes skipped offsets already on disk")
+        assert got == list(range(len(got)))  # contiguous from 0: nothing skipped
+    logs = "".join(r.log.read_text() for r in replicas)
+    assert between_commits == 2 and logs.count("already in the table") >= 1  # a restart skipped its commit
+    print(f"{store}: {len(rows)} chunks, {table.version()} versions, {KILLS} kills "
+          f"({between_commits} between the table and the offset commit)")

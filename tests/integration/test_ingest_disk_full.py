@@ -1,7 +1,7 @@
 """A full disk under ingest (a real tmpfs, a real broker): ingest stops consuming, backs off
 exponentially, says ``disk_full`` on /health (503) and in ``tide_ingest_write_blocked``, commits
-nothing it has not written, leaves no temporaries behind, and once space returns resumes and
-writes every produced record to Parquet exactly once."""
+nothing it has not written, leaves no uncommitted data file behind, and once space returns resumes
+and writes every produced record to the table exactly once."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,11 @@ import urllib.request
 from collections import Counter
 
 import numpy as np
-import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from tide.config import IngestConfig, KafkaConfig
 from tide.dataset.ingest import ensure_topics
-from tide.dataset.schema import list_files
+from tide.dataset.table import DatasetTable
 from tide.health_server import HealthServer
 from tide.records import Record, encode
 
@@ -47,10 +46,17 @@ def _produce(bs: str, topic: str, ids: range) -> None:
 def _stored(data_dir) -> list[tuple[int, int, str]]:
     """(partition, offset, request id) of every stored row."""
     rows = []
-    for path in list_files(data_dir):
-        table = pq.read_table(path, columns=["kafka_partition", "kafka_offset", "request_id"])
-        rows += zip(*(table.column(i).to_pylist() for i in range(3)))
+    table = DatasetTable(data_dir)
+    for f in table.data_files() if table.exists() else []:
+        data = table.open_file(f.path).read(columns=["kafka_partition", "kafka_offset", "request_id"])
+        rows += zip(*(data.column(i).to_pylist() for i in range(3)))
     return rows
+
+
+def _uncommitted(data_dir) -> set[str]:
+    """Data files on disk that the table log does not name (user data nobody will commit)."""
+    on_disk = {str(p.relative_to(data_dir)) for p in data_dir.glob("date=*/hour=*/*.parquet")}
+    return on_disk - {f.path for f in DatasetTable(data_dir).data_files()}
 
 
 def _committed(consumer: KafkaConsumer, topic: str) -> dict[int, int]:
@@ -114,7 +120,7 @@ def test_full_disk_blocks_reports_and_resumes_without_loss(memory_broker, topic_
             for p in range(PARTITIONS):
                 on_disk = sorted(o for q, o, _ in stored if q == p)
                 assert on_disk == list(range(len(on_disk))) and committed[p] <= len(on_disk), (p, committed)
-            wait(lambda: not list(data_dir.rglob(".*.tmp")), 10, what="temporaries removed")
+            wait(lambda: not _uncommitted(data_dir), 10, what="uncommitted files removed")
 
             fs.free()
             wait(lambda: _get(f"http://127.0.0.1:{http.port}/health")[0] == 200, 30, what="healthy again")

@@ -1,6 +1,7 @@
 """Ingest semantics against a real broker: bad messages go to the dead-letter topic with their
-reason and ingest goes on; replays of offsets already on disk (a crash between rename and commit)
-write nothing twice; a recreated topic reusing offsets is not mistaken for a replay."""
+reason and ingest goes on; replays of offsets already in the table (a crash between the table
+commit and the Kafka commit) write nothing twice; a recreated topic reusing offsets is not
+mistaken for a replay; a deleted request is not written back by a replay or a new group."""
 from __future__ import annotations
 
 import json
@@ -8,13 +9,12 @@ import struct
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.structs import OffsetAndMetadata
 
 from tide.config import IngestConfig, KafkaConfig
-from tide.dataset import DatasetIndex, DatasetReader
+from tide.dataset import DatasetReader, DatasetTable
 from tide.dataset.ingest import ensure_topics
-from tide.dataset.schema import list_files
 from tide.records import Record, encode
 
 H = 64
@@ -28,6 +28,25 @@ def _record(rid: str, t: int, seed: int) -> Record:
                   token_ids=rng.integers(0, 1000, t).astype(np.int32),
                   loss_mask=(np.arange(t) > 2).astype(np.uint8),
                   aux_hidden=rng.bytes(t * 3 * H * 2), final_hidden=rng.bytes(t * H * 2))
+
+
+def _rows(data_dir) -> int:
+    """Rows in the newest table version (from the log)."""
+    table = DatasetTable(data_dir)
+    return table.summary(exact=False)["rows"] if table.exists() else 0
+
+
+def _stored(data_dir, column: str) -> list:
+    table = DatasetTable(data_dir)
+    return [v for f in table.data_files() for v in table.open_file(f.path).read(columns=[column]).column(0).to_pylist()]
+
+
+def _rewind_group(bs: str, topic: str, group: str) -> None:
+    """The group's Kafka offsets back to 0 while the table keeps everything: what a crash between
+    the table commit and the Kafka commit leaves, for every batch at once."""
+    consumer = KafkaConsumer(bootstrap_servers=bs, group_id=group, enable_auto_commit=False)
+    consumer.commit({TopicPartition(topic, 0): OffsetAndMetadata(0, "", -1)})
+    consumer.close(autocommit=False)
 
 
 def _config(bs: str, topic: str, group: str) -> tuple[IngestConfig, KafkaConfig]:
@@ -73,7 +92,7 @@ def test_malformed_unknown_version_and_oversized_are_dead_lettered(memory_broker
 
     data_dir = tmp_path / "data"
     with capture_kit.IngestThread(config, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 4, 30, what="good rows")
+        wait(lambda: _rows(data_dir) >= 4, 30, what="good rows")
     samples = {s.request_id for s in DatasetReader(data_dir).samples()}
     assert samples == {"good-0", "good-1", "good-2", "good-3"}
 
@@ -97,43 +116,28 @@ def test_malformed_unknown_version_and_oversized_are_dead_lettered(memory_broker
     consumer.close()
 
 
-def test_replay_of_offsets_already_on_disk_writes_nothing_twice(memory_broker, topic_name,
-                                                                tmp_path, capture_kit, wait):
-    """A second consumer group over the same data dir is a crash right after rename, before any
-    commit: every offset is replayed, and only what is missing on disk may be written."""
+def test_replay_of_offsets_already_in_the_table_writes_nothing_twice(memory_broker, topic_name,
+                                                                    tmp_path, capture_kit, wait):
+    """The group's Kafka offsets fall behind the table (a crash between the two commits): every
+    offset is consumed again, and the table's application transactions skip them all."""
     bs = memory_broker.bootstrap_servers
-    first, kafka = _config(bs, topic_name, topic_name + ".a")
-    ensure_topics(first, kafka)
+    config, kafka = _config(bs, topic_name, topic_name + ".a")
+    ensure_topics(config, kafka)
     producer = KafkaProducer(bootstrap_servers=bs, acks="all")
     for i in range(30):
         producer.send(topic_name, key=b"k", value=encode(_record(f"r{i}", 10, i)))
     producer.flush()
     producer.close()
     data_dir = tmp_path / "data"
-    with capture_kit.IngestThread(first, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 30, 30, what="first pass")
-    files = list_files(data_dir)
-    assert len(files) >= 3
-    # lose one file (as if its rename had never happened), keep the others
-    victim = files[len(files) // 2]
-    lost = set(pq.read_table(victim, columns=["kafka_offset"]).column("kafka_offset").to_pylist())
-    victim.unlink()
-
-    second, _ = _config(bs, topic_name, topic_name + ".b")  # no committed offsets: replays all
-    with capture_kit.IngestThread(second, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 30, 30, what="replay")
-        consumer = KafkaConsumer(bootstrap_servers=bs, group_id=second.group_id)
-        wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == 30, 30,
-             what="replay committed")
-        consumer.close()
-    offsets = [o for p in list_files(data_dir)
-               for o in pq.read_table(p, columns=["kafka_offset"]).column("kafka_offset").to_pylist()]
-    assert sorted(offsets) == list(range(30))  # each exactly once
-    new_files = set(list_files(data_dir)) - (set(files) - {victim})
-    rewritten = {o for p in new_files
-                 for o in pq.read_table(p, columns=["kafka_offset"]).column("kafka_offset").to_pylist()}
-    assert rewritten == lost
-    assert DatasetIndex(data_dir).summary()["rows"] == 30
+    with capture_kit.IngestThread(config, kafka, data_dir):
+        wait(lambda: capture_kit.caught_up(kafka, config.group_id), 30, what="first pass")
+    version = DatasetTable(data_dir).version()
+    assert version >= 3  # several batches: 8 rows each at most
+    _rewind_group(bs, topic_name, config.group_id)
+    with capture_kit.IngestThread(config, kafka, data_dir):
+        wait(lambda: capture_kit.caught_up(kafka, config.group_id), 30, what="replay committed")
+    assert sorted(_stored(data_dir, "kafka_offset")) == list(range(30))  # each exactly once
+    assert DatasetTable(data_dir).version() == version  # the replay committed nothing to the table
 
 
 def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_broker, topic_name,
@@ -156,8 +160,8 @@ def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_bro
     ensure_topics(first, kafka)
     produce("old")
     with capture_kit.IngestThread(first, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 12, 30, what="first topic")
-    old_files = set(list_files(data_dir))
+        wait(lambda: _rows(data_dir) >= 12, 30, what="first topic")
+    old_files = {f.path for f in DatasetTable(data_dir).data_files()}
 
     admin = KafkaAdminClient(bootstrap_servers=bs)
     admin.delete_topics([topic_name])
@@ -166,8 +170,8 @@ def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_bro
     produce("new")
     second, _ = _config(bs, topic_name, topic_name + ".two")
     with capture_kit.IngestThread(second, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 24, 30, what="second topic")
-    assert old_files <= set(list_files(data_dir))  # nothing overwritten
+        wait(lambda: _rows(data_dir) >= 24, 30, what="second topic")
+    assert old_files <= {f.path for f in DatasetTable(data_dir).data_files()}  # nothing replaced
     ids = sorted(s.request_id for s in DatasetReader(data_dir).samples())
     assert ids == sorted([f"old-{i}" for i in range(12)] + [f"new-{i}" for i in range(12)])
 
@@ -267,7 +271,7 @@ def test_values_that_crashed_or_wedged_ingest_are_dead_lettered_and_ingest_goes_
 
     data_dir = tmp_path / "data"
     with capture_kit.IngestThread(config, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= len(good), 30, what="good rows")
+        wait(lambda: _rows(data_dir) >= len(good), 30, what="good rows")
         consumer = KafkaConsumer(bootstrap_servers=bs, group_id=config.group_id)
         wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == len(values), 30,
              what="every offset committed")
@@ -285,15 +289,15 @@ def test_values_that_crashed_or_wedged_ingest_are_dead_lettered_and_ingest_goes_
     assert reasons == {value: reason for value, reason in bad}
 
 
-def test_a_replay_after_failed_commits_does_not_resurrect_deleted_rows(memory_broker, topic_name,
-                                                                       tmp_path, capture_kit, wait):
-    """Files are written but their offsets never committed (a second consumer group over the same
-    data dir replays everything, as after a crash before the commit). In between, one request is
-    deleted (``tide data delete``) and retention expires the oldest file: the replay writes
-    neither back, and writes nothing twice."""
+def test_a_replay_or_a_new_group_does_not_resurrect_deleted_rows(memory_broker, topic_name,
+                                                                   tmp_path, capture_kit, wait):
+    """One request is deleted (``tide data delete``) and retention expires the oldest rows. Then the
+    group replays everything (its Kafka offsets fell behind the table), and a new group (a new
+    ingest deployment) reads the topic from the start: neither writes the deleted request back,
+    and the replay writes nothing twice."""
     import dataclasses
 
-    from tide.dataset.retention import apply_retention, delete_request
+    from tide.dataset.retention import apply_retention, delete_requests
 
     bs = memory_broker.bootstrap_servers
     first, kafka = _config(bs, topic_name, topic_name + ".first")
@@ -306,22 +310,23 @@ def test_a_replay_after_failed_commits_does_not_resurrect_deleted_rows(memory_br
     producer.close()
     data_dir = tmp_path / "data"
     with capture_kit.IngestThread(first, kafka, data_dir):
-        wait(lambda: DatasetIndex(data_dir).summary()["rows"] >= 24, 30, what="first pass")
+        wait(lambda: capture_kit.caught_up(kafka, first.group_id), 30, what="first pass")
 
-    index = DatasetIndex(data_dir)
-    assert delete_request(data_dir, "r13", index) == 1
-    oldest = index.files()[0]
-    expired = apply_retention(data_dir, index, ttl_s=3600, max_bytes=1 << 40,
-                              now_s=oldest.max_time_s + 3600 + 1e-3)
-    assert expired == [oldest.path]
-    gone = {f"r{i}" for i in range(24) if 1.7e9 + i <= oldest.max_time_s} | {"r13"}
-    index.close()
-
-    replay, _ = _config(bs, topic_name, topic_name + ".replay")
-    with capture_kit.IngestThread(replay, kafka, data_dir):
-        consumer = KafkaConsumer(bootstrap_servers=bs, group_id=replay.group_id)
-        wait(lambda: consumer.committed(TopicPartition(topic_name, 0)) == 24, 30, what="replay committed")
-        consumer.close()
-    stored = [r for p in list_files(data_dir)
-              for r in pq.read_table(p, columns=["request_id"]).column("request_id").to_pylist()]
-    assert sorted(stored) == sorted(f"r{i}" for i in range(24) if f"r{i}" not in gone)
+    table = DatasetTable(data_dir)
+    assert delete_requests(table, ["r13"]) == {"r13": 1}
+    assert apply_retention(table, ttl_s=3600, max_bytes=1 << 40, now_s=1.7e9 + 3600 + 5.5)
+    expired = {f"r{i}" for i in range(6)}  # captured at or before 1.7e9 + 5.5
+    _rewind_group(bs, topic_name, first.group_id)
+    with capture_kit.IngestThread(first, kafka, data_dir):
+        wait(lambda: capture_kit.caught_up(kafka, first.group_id), 30, what="replay committed")
+    assert sorted(_stored(data_dir, "request_id")) == sorted(f"r{i}" for i in range(24)
+                                                              if f"r{i}" not in expired | {"r13"})
+    fresh, _ = _config(bs, topic_name, topic_name + ".fresh")
+    with capture_kit.IngestThread(fresh, kafka, data_dir):
+        wait(lambda: capture_kit.caught_up(kafka, fresh.group_id), 30, what="a new group's pass")
+    stored = _stored(data_dir, "request_id")
+    assert "r13" not in stored  # the tombstone holds for any group
+    # a new group is a new writer: what retention expired comes back until its next pass
+    apply_retention(table, ttl_s=3600, max_bytes=1 << 40, now_s=1.7e9 + 3600 + 5.5)
+    assert sorted(set(_stored(data_dir, "request_id"))) == sorted(f"r{i}" for i in range(24)
+                                                                  if f"r{i}" not in expired | {"r13"})

@@ -1,5 +1,5 @@
-"""The retrain job end to end on real parts: Parquet written by the dataset writer from a real
-(tiny, H=64) target's states, a real MLflow SQLite store, and `tide train --online` as the
+"""The retrain job end to end on real parts: the dataset table written by the dataset writer from a
+real (tiny, H=64) target's states, a real MLflow SQLite store, and `tide train --online` as the
 subprocess the scheduler launches (killed with SIGKILL in one test)."""
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_too_few_samples_is_nothing_to_do(tmp_path, tiny_setup):
     assert "need 8" in payload["reason"]
     # what a Kubernetes Job leaves in its termination message for the scheduler
     assert json.loads(summary.read_text()) == {k: payload[k] for k in ("status", "version", "run_id", "reason",
-                                                                   "data_watermark_s")}
+                                                                   "data_table_version")}
     assert run_cli(load_config(config), str(result), summary_json=str(tmp_path)) == 0  # unwritable: still 0
     assert Registry.from_config(load_config(config)).list_versions(include_incomplete=True) == []
 
@@ -117,6 +117,9 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     assert int(tags["tide.recent_requests"]) + int(tags["tide.heldout_requests"]) <= 48
     assert int(tags["tide.replay_requests"]) > 0 and tags["tide.code_version"]
     assert tags["tide.vocab_mapping"] == static.tags["tide.vocab_mapping"]  # vocab kept fixed
+    from tide.dataset.table import DatasetTable
+    assert int(tags["tide.data_table_version"]) == payload["data_table_version"] == DatasetTable(home / "dataset").version()
+    assert tags["tide.data_table_uri"] == str(home / "dataset")
     metrics = version.metrics
     for key in ("candidate_sim_accept_length", "champion_sim_accept_length", "candidate_heldout_loss",
                 "champion_heldout_loss", "train_tokens_per_s", "candidate_replayed_accept_length",
@@ -263,3 +266,33 @@ def test_cuda_device_without_a_gpu_fails_with_a_clear_reason(tmp_path, tiny_setu
     payload = json.loads(result.read_text())
     assert payload["status"] == "failed" and "train.device is 'cuda' but no GPU is usable" in payload["reason"]
     assert Registry.from_config(load_config(config)).list_versions(include_incomplete=True) == []
+
+
+def test_a_retrain_re_run_on_its_registered_table_version_selects_the_same_data(tmp_path, tiny_setup):
+    """The registered version names the table version its retrain read; planning on that version
+    again, after more traffic arrived, selects exactly the recent, replay and held-out requests
+    the retrain logged, while the newest version selects a different window."""
+    from tide.dataset.table import DatasetTable
+    from tide.train.online import plan_for
+
+    home, config = make_home(tmp_path, tiny_setup, 48)
+    code, payload, err = run_job(config, tmp_path / "result.json")
+    assert code == 0 and payload["status"] == "registered", err
+    cfg = load_config(config)
+    registry = Registry.from_config(cfg)
+    version = registry.get_version(payload["version"])
+    read = int(version.tags["tide.data_table_version"])
+    assert read == payload["data_table_version"] == DatasetTable(home / "dataset").version()
+    logged = json.loads(Path(registry.client.download_artifacts(version.run_id, "retrain.json",
+                                                                str(tmp_path))).read_text())["request_ids"]
+    _, _, samples, prompt_lens = tiny_setup  # 24 more requests, newer: the newest window moves
+    log_samples(home / "dataset", samples[48:], prompt_lens[48:], target_model_id=MODEL_ID, aux_layer_ids=AUX,
+                start_s=T0 + 48, id_prefix="late", first_offset=10_000, max_message_bytes=60_000, rows_per_file=16)
+    again = plan_for(cfg, version=read)
+    assert {"recent": again.recent, "replay": again.replay, "heldout": again.heldout} == logged
+    assert again.data_version == read
+    newest = plan_for(cfg)
+    assert newest.data_version > read and newest.recent != again.recent
+    # the same through the retrain's own setting (TIDE_TRAIN__DATA_VERSION)
+    pinned = load_config(config, env={"TIDE_TRAIN__DATA_VERSION": str(read)})
+    assert plan_for(pinned).recent == logged["recent"]

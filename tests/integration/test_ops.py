@@ -42,10 +42,11 @@ from tide.engine.reference import build_engine
 from tide.engine.server import HttpServer, build_app
 from tide.models.llama import LlamaTarget
 from tide.models.tiny import tiny_llama_checkpoint
+from tide.ops.alias_api import AliasApiServer, auto_promote_after_retrain
+from tide.ops.aliases import AliasOwner, default_lock_path
 from tide.ops.control_api import control_plane
 from tide.ops.follower import DrafterFollower
 from tide.ops.inventory import live_acceptance_from_metrics
-from tide.ops.promotion import maybe_auto_promote
 from tide.registry import ARTIFACT_PATH, DrafterArtifact, Registry, folder_digest
 from tide.spec.generate import generate
 from tide.train.offline import generate_samples, new_drafter
@@ -457,12 +458,12 @@ def test_auto_promotion_policy_against_the_registry(make_stack, tiny):
         **_as_overrides(s.cfg)["ops"], "auto_promote": True, "auto_promote_margin": 0.05}})
     weak = register(s.registry, save_drafter(perturbed(tiny, 9), tiny.root / "weak"),
                     {TAG_SIM_ACCEPT: 1.52, TAG_PARENT_SIM_ACCEPT: 1.50})
-    assert not maybe_auto_promote(s.registry, s.cfg).promote  # off by default
-    decision = maybe_auto_promote(s.registry, cfg_on)
-    assert not decision.promote and s.registry.aliases()[CHAMPION] == 1, decision
+    assert not auto_promote_after_retrain(s.registry, s.cfg)["promote"]  # off by default
+    decision = auto_promote_after_retrain(s.registry, cfg_on)
+    assert not decision["promote"] and s.registry.aliases()[CHAMPION] == 1, decision
     strong = register(s.registry, save_drafter(perturbed(tiny, 10), tiny.root / "strong"),
                       {TAG_SIM_ACCEPT: 1.80, TAG_PARENT_SIM_ACCEPT: 1.50})
-    assert maybe_auto_promote(s.registry, cfg_on).promote
+    assert auto_promote_after_retrain(s.registry, cfg_on)["applied"]
     assert s.registry.aliases() == {CHAMPION: strong, PREVIOUS_CHAMPION: 1} and weak != strong
     op = s.registry.operations()[-1]
     assert (op["op"], op["actor"], op["to"]) == ("promote", "auto-promotion", strong) and "1.800" in op["reason"]
@@ -530,4 +531,85 @@ def test_cli_list_show_promote_rollback_diff(make_stack, tiny, tmp_path):
     change = json.loads(out)
     assert code == 0 and (change["from"], change["to"]) == (1, v2) and change["engine"]["status"] == "swapped"
     code, out, _ = run_cli(cfg_path, "rollback", "--json")
-    assert code == 0 and json.loads(out) == {"op": "rolled back", "from": v2, "to": 1, "engine": None}
+    assert code == 0 and json.loads(out) == {"op": "rolled back", "from": v2, "to": 1, "engine": None,
+                                             "generation": len(s.registry.operations())}
+
+
+def test_cli_alias_changes_are_authorised_before_anything_is_written(make_stack, tiny, tmp_path):
+    """`tide drafters rollback --token wrong` moves nothing and says the token was refused, whether
+    the change goes through the alias owner's API or this process checks the engine's token first."""
+    import yaml
+
+    s = make_stack()
+    cfg_path = tmp_path / "tide.yaml"
+    cfg_path.write_text(yaml.safe_dump({"home": s.cfg.home, "registry": _as_overrides(s.cfg)["registry"]}))
+    v2 = register(s.registry, save_drafter(perturbed(tiny, 15), tiny.root / "auth-v2"))
+    s.registry.promote(v2, actor="setup")
+    owner = AliasApiServer("127.0.0.1", 0, lambda: (True, {}),
+                           lambda: AliasOwner(Registry.from_config(s.cfg), default_lock_path(s.cfg)), TOKEN).start()
+    try:
+        owner_url = f"http://127.0.0.1:{owner.port}"
+        before = (s.registry.aliases(), s.registry.operations())
+        for argv in (("--owner", owner_url, "--token", "wrong", "rollback"),
+                     ("--owner", owner_url, "--token", "wrong", "promote", "1"),
+                     ("--engine", s.url, "--token", "wrong", "rollback"),
+                     ("--engine", s.url, "--token", "wrong", "promote", "1")):
+            code, out, err = run_cli(cfg_path, *argv)
+            assert code == 2 and "token" in err and "401" in err and "unreachable" not in err, (argv, err)
+            assert (s.registry.aliases(), s.registry.operations()) == before, argv  # nothing was written
+        code, out, err = run_cli(cfg_path, "--owner", owner_url, "--engine", s.url, "--token", TOKEN, "rollback",
+                                 "--actor", "erin", "--json")
+        assert code == 0 and json.loads(out)["engine"]["status"] in ("swapped", "unchanged"), err
+        assert s.registry.aliases() == {CHAMPION: 1} and s.registry.operations()[-1]["actor"] == "erin"
+        assert s.serving() == "1"
+    finally:
+        owner.close()
+
+
+def test_replicas_report_to_the_fleet_view_through_the_alias_owner(tiny, store, tmp_path, wait):
+    """Two engines following one registry through the alias owner's API: each reports the version it
+    serves; `tide drafters fleet` shows them converging on a promotion made through one of them, and
+    a replica that cannot load a version keeps the old one and says why."""
+    import yaml
+
+    owner = AliasApiServer("127.0.0.1", 0, lambda: (True, {}), lambda: AliasOwner(Registry.from_config(cfg)),
+                           TOKEN).start()
+    url = f"http://127.0.0.1:{owner.port}"
+    cfg = make_config(tiny, store, tmp_path / "home", f"ops-{uuid.uuid4().hex[:8]}", alias_owner_url=url,
+                      poll_interval_s=0.3)
+    stacks: list[Stack] = []
+    try:
+        for port in (8000, 8001):  # the replica names hostname:server.port; both listen on free ports here
+            stacks.append(Stack(load_config(env={}, overrides={**_as_overrides(cfg), "server": {
+                **_as_overrides(cfg)["server"], "port": port}})))
+        a, b = stacks
+        registry = Registry.from_config(cfg)
+        cfg_path = tmp_path / "tide.yaml"
+        cfg_path.write_text(yaml.safe_dump({"home": cfg.home, "registry": _as_overrides(cfg)["registry"]}))
+
+        def fleet() -> dict:
+            code, out, err = run_cli(cfg_path, "--owner", url, "--token", TOKEN, "fleet", "--json")
+            assert code == 0, err
+            return {r["replica"]: r for r in json.loads(out)["replicas"]}
+
+        wait(lambda: len(fleet()) == 2 and all(r["converged"] for r in fleet().values()), 30,
+             what="both replicas to report serving the champion")
+        v2 = register(registry, save_drafter(perturbed(tiny, 16), tiny.root / "fleet-v2"))
+        resp = a.control("POST", "promote", {"version": v2, "actor": "alice"})  # validated here, written by the owner
+        assert resp.status_code == 200 and resp.json()["to"] == v2, resp.text
+        wait(lambda: all(r["serving"] == str(v2) and r["converged"] for r in fleet().values()), 30,
+             what="the fleet to converge on the promotion")
+        assert all(r["converged_at_s"] >= r["serving_since_s"] for r in fleet().values())
+        assert registry.operations()[-1]["actor"] == "api:alice"
+        bad = bad_version("vocab_mapping", tiny, registry)
+        code, _, err = run_cli(cfg_path, "--owner", url, "--token", TOKEN, "promote", str(bad), "--force")
+        assert code == 0, err
+        wait(lambda: all("vocab mapping" in (r["why_not"] or "") for r in fleet().values()), 30,
+             what="both replicas to refuse the version and say why")
+        assert {r["serving"] for r in fleet().values()} == {str(v2)} and a.serving() == b.serving() == str(v2)
+        code, out, _ = run_cli(cfg_path, "--owner", url, "--token", TOKEN, "fleet")
+        assert code == 0 and f"champion {bad}" in out and "cannot load" in out
+    finally:
+        for stack in stacks:
+            stack.close()
+        owner.close()

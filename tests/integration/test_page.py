@@ -93,9 +93,10 @@ def test_page_answers_with_reasons_when_every_source_is_down(tmp_path):
     try:
         resp = httpx.get(url + "?minutes=bad", timeout=30)
         assert resp.status_code == 200
-        for name in ("acceptance", "samples", "retrain", "registry", "capture", "ingest"):
+        for name in ("acceptance", "samples", "retrain", "registry", "fleet", "capture", "ingest"):
             assert f'data-panel="{name}" data-has-data="false"' in resp.text, name
-        assert resp.text.count('class="reason"') == 6 and "ConnectError" in resp.text
+        assert resp.text.count('class="reason"') == 7 and "ConnectError" in resp.text
+        assert "no alias owner configured" in resp.text
         assert httpx.get(url + "health", timeout=5).json() == {"status": "ok"}
     finally:
         server.shutdown()

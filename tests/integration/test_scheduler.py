@@ -1,6 +1,6 @@
-"""The real scheduler service (tide/services/scheduler.py) over a real Parquet dataset and index.
+"""The real scheduler service (tide/services/scheduler.py) over a real dataset table.
 
-Parquet files are written and indexed with the dataset's own writer and index, exactly as ingest
+Data files are written and committed with the dataset's own writer and table, exactly as ingest
 commits them. The launched command is tests/stubs/retrain_stub.py, a real process with the
 retrain job's command-line and result-file contract (sleeps, fails, or hangs on demand); every
 start appends a line to a launches file, so "exactly one job" is counted from the processes
@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from stubs import retrain_stub
 from stubs.retrain_stub import kill_stubs
 
-from tide.dataset.index import DatasetIndex
-from tide.dataset.schema import Row, partition_dir
-from tide.dataset.writer import OpenFile
+from tide.dataset.schema import Row, partition_values
+from tide.dataset.table import DatasetTable
+from tide.dataset.writer import DataFileWriter
 from tide.process import free_port, python_service
 from tide.records import Record
 from tide.schedule.local_launcher import process_alive
@@ -41,7 +41,7 @@ class Stack:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.data_dir = tmp / "dataset"
-        self.index = DatasetIndex(self.data_dir)
+        self.table = DatasetTable(self.data_dir)
         self.launches = tmp / "launches.jsonl"
         self.control = tmp / "control.json"
         self.state_path = tmp / "sched" / "state.json"
@@ -64,10 +64,10 @@ class Stack:
         return path
 
     def ingest(self, requests: int, tokens: int) -> None:
-        """Seal one Parquet file of ``requests`` records x ``tokens`` positions and index it."""
+        """Commit one data file of ``requests`` records x ``tokens`` positions, as ingest does."""
         rng = np.random.default_rng(self._offset)
         now = time.time()
-        f = OpenFile(self.data_dir, partition_dir("org/m", now), "tide.hidden-states", 0, 4, 1 << 30)
+        f = DataFileWriter(self.table.location, partition_values(now), 4, 1 << 30)
         for i in range(requests):
             rec = Record(request_id=f"r{self._offset}", target_model_id="org/m",
                          drafter_version="v1", aux_layer_ids=(1, 2, 3), workload=None,
@@ -79,7 +79,9 @@ class Stack:
                          final_hidden=rng.bytes(tokens * H * 2))
             f.add(Row(rec, "tide.hidden-states", 0, self._offset, 0, now))
             self._offset += 1
-        self.index.add(f.seal(created_at_s=time.time()), f.request_ids)
+        self.table.ensure()
+        out = f.finish()
+        self.table.append([out.add], out.counts)
 
     def set_control(self, mode: str, sleep_s: float = 0.0) -> None:
         tmp = self.control.with_suffix(".tmp")
@@ -126,7 +128,6 @@ class Stack:
                 svc.proc.kill()
                 svc.proc.wait(timeout=10)
         kill_stubs(self.launched(), self.state_path)
-        self.index.close()
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ start (so a test can change what the next launch does while the scheduler keeps 
   fail     sleep, write status "failed", exit 3
   noresult sleep, exit 0 without a result file
   hang     start a grandchild in the same process group, ignore SIGTERM, sleep forever
-With ``--data-dir`` it reads the dataset index first, as the real job plans its window, and a
-successful result reports the newest ``created_at_s`` it saw (``RESULT_DATA_WATERMARK``). A control
+With ``--data-dir`` (a local Delta table) it reads the table's newest version first, as the real job
+pins the version it plans its window on, and a successful result reports that version
+(``RESULT_DATA_WATERMARK``). A control
 ``gate`` folder makes that moment a test's choice: the stub waits for ``<gate>/read`` before
 reading, writes ``<gate>/was_read`` after, and waits for ``<gate>/finish`` before it ends.
 Every start appends one JSON line (pid, job id, time, argv) to ``--launches``: the tests count
@@ -23,12 +24,11 @@ import argparse
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 
-RESULT_DATA_WATERMARK = "data_watermark_s"  # tide.contracts' key (stdlib only here; a mismatch fails the tests)
+RESULT_DATA_WATERMARK = "data_table_version"  # tide.contracts' key (stdlib only here; a mismatch fails the tests)
 GATE_TIMEOUT_S = 60.0  # a test that never opens a gate fails this job instead of hanging it
 
 
@@ -40,19 +40,15 @@ def _wait_for(path: str) -> None:
         time.sleep(0.02)
 
 
-def read_watermark(data_dir: str) -> float | None:
-    """The newest created_at_s in the dataset index (None without a readable one), as the job reads it."""
-    path = os.path.join(data_dir, "index.sqlite")
-    if not os.path.exists(path):
-        return None
+def read_watermark(data_dir: str) -> int | None:
+    """The newest version of the Delta table at ``data_dir`` (None without one): its newest commit file."""
+    log = os.path.join(data_dir, "_delta_log")
     try:
-        db = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True, timeout=30.0)
-        try:
-            return db.execute("SELECT MAX(created_at_s) FROM files").fetchone()[0]
-        finally:
-            db.close()
-    except sqlite3.Error:
+        names = os.listdir(log)
+    except OSError:
         return None
+    versions = [int(n[:-len(".json")]) for n in names if n.endswith(".json") and n[:-len(".json")].isdigit()]
+    return max(versions, default=None)
 
 
 def _read_dataset(data_dir: str | None, gate: str | None) -> float | None:

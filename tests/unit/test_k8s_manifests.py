@@ -21,6 +21,7 @@ import inspect
 import math
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -180,6 +181,33 @@ def test_ports_probes_and_scrape_annotations_match_config_and_routes(tmp_path):
         assert all(p["targetPort"] in names for p in svc["spec"]["ports"])
 
 
+def test_the_engine_is_a_fleet_that_keeps_serving_and_reports_to_the_alias_owner():
+    from urllib.parse import urlsplit
+
+    dep = _named("Deployment")["tide-engine"]
+    spec, labels = dep["spec"], dep["spec"]["template"]["metadata"]["labels"]
+    assert spec["replicas"] == 2
+    # a rolling update adds a ready pod before an old one drains
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    (c,) = spec["template"]["spec"]["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 while draining: out of the Service
+    pdb = _named("PodDisruptionBudget")["tide-engine"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert 1 <= pdb["spec"]["minAvailable"] < spec["replicas"]
+    # the alias owner is the scheduler's metrics port, through its Service
+    owner = urlsplit(_env(c)["TIDE_OPS__ALIAS_OWNER_URL"])
+    svc = _named("Service")[owner.hostname.split(".")[0]]
+    assert owner.hostname.split(".")[1] == svc["metadata"]["namespace"] == "tide"
+    (port,) = [p for p in svc["spec"]["ports"] if p["port"] == owner.port]
+    (sched,) = [d for d in _named("Deployment").values()
+                if svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+    (sc,) = sched["spec"]["template"]["spec"]["containers"]
+    assert sc["command"][:3] == ["python", "-m", "tide.services.scheduler"]
+    assert port["targetPort"] in {p["name"] for p in sc["ports"]}
+    assert {p["containerPort"] for p in sc["ports"] if p["name"] == port["targetPort"]} == {
+        int(sched["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])}
+
+
 def test_scheduler_role_grants_exactly_the_launchers_api_calls():
     source = inspect.getsource(kubernetes_launcher)
     calls = {("batch", m) for m in re.findall(r"self\.api\.(\w+)\(", source)}
@@ -226,14 +254,17 @@ def test_retrain_job_from_the_configmap_lands_on_the_training_pool(tmp_path, ove
     assert {t["key"] for t in pod["tolerations"]} == {gpu, "tide.dev/pool"} - {None}  # no stray spaces in keys
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["config"]["configMap"]["name"] in _named("ConfigMap")
-    pvc = _named("PersistentVolumeClaim")[volumes["dataset"]["persistentVolumeClaim"]["claimName"]]
-    assert "ReadWriteMany" in pvc["spec"]["accessModes"]  # ingest writes it while Jobs read it
-    # the Job reads the dataset where ingest writes it
-    ingest = _named("Deployment")["tide-ingest"]["spec"]["template"]["spec"]["containers"][0]
-    env_of_job = {e["name"]: e["value"] for e in c["env"] if "value" in e}
-    assert env_of_job["TIDE_INGEST__DATA_DIR"] in {m["mountPath"] for m in ingest["volumeMounts"]}
-    assert env_of_job["TIDE_INGEST__DATA_DIR"] == cfg.ingest.data_dir
-    assert load_config(env=env_of_job).model.torch_threads == int(cfg.schedule.k8s_cpu)
+    # no dataset volume anywhere: the Job reads the table on S3 where ingest writes it
+    assert not _named("PersistentVolumeClaim").keys() - {"tide-scheduler-state"}
+    assert not [v for v in volumes.values() if "persistentVolumeClaim" in v]
+    env_of_job = {e["name"]: e for e in c["env"]}
+    assert urlsplit(yaml.safe_load(CONFIG_TEXT)["ingest"]["data_dir"]).scheme == "s3"
+    if cfg.ingest.data_dir:  # an overlay's env here holds references only the cluster resolves
+        assert env_of_job["TIDE_INGEST__DATA_DIR"]["value"] == cfg.ingest.data_dir
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # the store's keys, by Secret reference
+        assert env_of_job[key]["valueFrom"]["secretKeyRef"]["name"] == "tide-object-store"
+    plain = {k: e["value"] for k, e in env_of_job.items() if "value" in e}
+    assert load_config(env=plain).model.torch_threads == int(cfg.schedule.k8s_cpu)
 
 
 def test_metric_names_under_k8s_exist():
@@ -339,9 +370,8 @@ def test_every_folder_a_process_writes_is_a_writable_volume(tmp_path, monkeypatc
     cache = Path(cfg.registry.cache_dir) if cfg.registry.cache_dir else default_cache_dir(home)
     writes = {  # tempfile's folder everywhere; what each service writes besides
         "engine": ["/tmp", str(cache)],
-        "ingest": ["/tmp", cfg.ingest.data_dir],
-        # state file and its job folder; SQLite's WAL readers write the index's -shm file
-        "scheduler": ["/tmp", str(default_state_path(cfg).parent), cfg.ingest.data_dir],
+        "ingest": ["/tmp"],  # the dataset is on S3
+        "scheduler": ["/tmp", str(default_state_path(cfg).parent)],  # state file and its job folder
     }
     for dep, c in _containers():
         service = c["command"][2].rpartition(".")[2]
@@ -384,7 +414,10 @@ def test_the_job_mounts_no_service_account_token_and_reads_secrets_by_reference(
                 assert not (looks_secret(e["name"]) and "value" in e), (name, e["name"])
     engine_refs = {e["valueFrom"]["secretKeyRef"]["name"] for _, c in _containers([_named("Deployment")["tide-engine"]])
                    for e in c["env"] if "valueFrom" in e}
-    assert {r["name"] for r in refs.values()} <= engine_refs  # one Secret for MLflow, documented with tide-control
+    # one Secret for MLflow, documented with tide-control; the object store's keys, as ingest reads them
+    ingest_refs = {e["valueFrom"]["secretKeyRef"]["name"] for _, c in _containers([_named("Deployment")["tide-ingest"]])
+                   for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert {r["name"] for r in refs.values()} <= engine_refs | ingest_refs
 
 
 def _policies_for(labels: dict[str, str]) -> list[dict]:
@@ -417,7 +450,8 @@ def test_network_policies_open_control_and_registry_only_to_the_pods_that_need_t
     for name, dep in _named("Deployment").items():  # no service of the loop is a control client
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert not any(sel.items() <= labels.items() for sel in control_labels), name
-    # the registry: engines follow champion, retrain Jobs register; ingest and the scheduler never call it
+    # the registry: engines follow champion, retrain Jobs register, the scheduler writes aliases (the alias
+    # owner); ingest never calls it
     url = urlsplit(cfg.registry.tracking_uri)
     assert url.hostname.split(".")[:2] == ["mlflow", KUSTOMIZATION["namespace"]]
     (registry,) = [p for p in _named("NetworkPolicy").values()
@@ -425,11 +459,12 @@ def test_network_policies_open_control_and_registry_only_to_the_pods_that_need_t
     peers = [p["podSelector"]["matchLabels"] for p in _allowed_from(registry, url.port)]
     job_labels = _job(tmp_path)["spec"]["template"]["metadata"]["labels"]
     allowed = lambda labels: any(sel.items() <= labels.items() for sel in peers)  # noqa: E731
-    assert allowed(engine_labels) and allowed(job_labels)
-    for name in ("tide-ingest", "tide-scheduler"):
-        assert not allowed(_named("Deployment")[name]["spec"]["template"]["metadata"]["labels"]), name
-    # and no one else: every peer is an engine, a retrain Job or a control client
-    assert all(sel in control_labels or sel.items() <= engine_labels.items() or sel.items() <= job_labels.items()
+    scheduler_labels = _named("Deployment")["tide-scheduler"]["spec"]["template"]["metadata"]["labels"]
+    assert allowed(engine_labels) and allowed(job_labels) and allowed(scheduler_labels)
+    assert not allowed(_named("Deployment")["tide-ingest"]["spec"]["template"]["metadata"]["labels"])
+    # and no one else: every peer is an engine, a retrain Job, the scheduler or a control client
+    assert all(sel in control_labels or any(sel.items() <= labels.items()
+                                            for labels in (engine_labels, job_labels, scheduler_labels))
                for sel in peers)
 
 

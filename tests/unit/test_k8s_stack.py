@@ -140,6 +140,16 @@ def test_every_variant_renders_and_validates_strictly(variant, tmp_path):
                 config(tmp_path, {name: e.get("value", "from-a-reference")})  # ConfigError if it does not parse
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_runs_two_engine_replicas_under_a_disruption_budget(variant):
+    dep = named(variant, "Deployment")["tide-engine"]
+    pdb = named(variant, "PodDisruptionBudget")["tide-engine"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["minAvailable"] < dep["spec"]["replicas"]
+
+
 def test_strict_validation_refuses_what_the_api_server_would():
     """The validator is not vacuous: a misspelled field fails in a custom resource and a core kind."""
     docs = render("k8s/overlays/stack")
@@ -294,7 +304,7 @@ def test_object_store_settings_reach_the_dataset_services_by_reference():
         for name in ("tide-ingest", "tide-scheduler"):
             (c,) = named(variant, "Deployment")[name]["spec"]["template"]["spec"]["containers"]
             env = env_of(c)
-            for var in ("AWS_ENDPOINT_URL", "AWS_REGION", "DATASET_URI"):
+            for var in ("AWS_ENDPOINT_URL", "AWS_REGION", "TIDE_INGEST__DATA_DIR"):
                 ref = env[var]["valueFrom"]["configMapKeyRef"]
                 assert ref["name"] == "tide-object-store" and ref["key"] in store, (name, var)
             for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):

@@ -32,6 +32,18 @@ def test_stack_config_points_capture_and_ingest_at_one_kafka_section(tmp_path):
     assert cfg.kafka.bootstrap_servers == "127.0.0.1:9999" and cfg.capture.enabled
 
 
+def test_several_engines_run_behind_the_front_and_every_part_asks_the_alias_owner(tmp_path):
+    stack = Stack(StackOptions(tmp_path, prometheus=False, engines=2))
+    assert stack.parts == ["broker", "MLflow", "2 engines", "front", "ingest", "scheduler", "page"]
+    path = tmp_path / "tide.yaml"
+    path.write_text(yaml.safe_dump(stack._config("127.0.0.1:9999", "http://127.0.0.1:5000",
+                                                 {"engine": 1, "ingest": 2, "scheduler": 3}, "t")))
+    cfg = load_config(path, env={})
+    # the scheduler's port serves the alias owner's API; the control token is its bearer token
+    assert cfg.ops.alias_owner_url == "http://127.0.0.1:3" and cfg.schedule.metrics_port == 3
+    assert cfg.server.control_token == "t" and not cfg.ops.alias_owner_token
+
+
 def test_a_taken_port_falls_back_to_a_free_one_and_a_free_one_is_kept(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""The captured-hidden-state dataset: ingest (Kafka -> Parquet), index, retention, reader.
+"""The captured-hidden-state dataset: one Delta Lake table (ingest, reader, retention, deletion).
 
 Names are imported lazily so the ingest service does not pay for torch (only the reader needs it).
 """
@@ -8,9 +8,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DatasetIndex": "tide.dataset.index", "DatasetReader": "tide.dataset.reader",
-    "Sample": "tide.dataset.reader", "apply_retention": "tide.dataset.retention",
-    "delete_request": "tide.dataset.retention", "Ingestor": "tide.dataset.ingest",
+    "DatasetTable": "tide.dataset.table", "Location": "tide.dataset.location",
+    "DatasetReader": "tide.dataset.reader", "Sample": "tide.dataset.reader",
+    "apply_retention": "tide.dataset.retention", "delete_requests": "tide.dataset.retention",
+    "Ingestor": "tide.dataset.ingest",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -5,14 +5,13 @@ States: writing (no failure) -> blocked (consumption paused until ``retry_at_s``
 (consuming again; the next seal decides) -> writing on success, or blocked again for twice as
 long (up to ``max_s``) on failure. Failures while already blocked belong to the same episode:
 they rewind their partition but do not lengthen the wait. The reason (``disk_full`` for ENOSPC,
-EDQUOT or SQLite's "database or disk is full", else ``write_error``) is what ``/health`` and the
+EDQUOT, else ``write_error``: an unreachable object store, ...) is what ``/health`` and the
 ``tide_ingest_write_blocked`` gauge report.
 """
 from __future__ import annotations
 
 import errno
 import logging
-import sqlite3
 
 from tide import metrics
 
@@ -30,8 +29,6 @@ def failure_reason(exc: BaseException) -> str:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
-            return DISK_FULL
-        if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorname", "") == "SQLITE_FULL":
             return DISK_FULL
         exc = exc.__cause__ or exc.__context__
     return WRITE_ERROR

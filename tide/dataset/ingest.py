@@ -1,34 +1,37 @@
-"""Ingest: Kafka topic -> Parquet dataset, committing offsets only for durable files.
+"""Ingest: Kafka topic -> the dataset's Delta table, exactly once, several replicas in one group.
 
 Loop steps (consumer thread):
 1. poll a batch (consumer group, auto-commit off);
-2. per message: skip offsets already on disk (see below); decode; a malformed, unknown-version,
-   oversized or invalid value (and any other per-record failure: ``unprocessable``) goes to the
-   dead-letter topic with the reason in its headers; a good chunk is handed to the writer thread
-   for its partition's open file in its ``target_model=/date=/hour=`` directory;
-3. a partition is flushed when its open files reach ``file_max_rows`` / ``file_max_bytes`` (checked
-   per message) or ``roll_interval_s`` passed (checked per poll): the writer thread seals every file (fsync, rename, fsync dir) and
-   indexes it while consumption goes on;
-4. when a seal has completed (in order): wait for the partition's dead letters to be
-   acknowledged, then commit ``last offset + 1``. A failed seal (or dead letter) rewinds the
-   partition to its first uncommitted offset and stops consumption (``backoff.WriteBackoff``:
-   a full disk waits 1 s, 2 s, 4 s ... up to ``write_backoff_max_s``; the index is reconciled
-   before consuming again), so nothing is committed that is not on disk;
-5. every ``retention_interval_s``: retention (TTL, then size budget, oldest first), unless a
-   ``tide data`` command holds the dataset lock.
+2. per message: at a partition's first message after (re)assignment, read the partition's
+   application transaction in the table (app id = group/topic/partition, version = the last
+   offset the table holds) and skip everything up to it (seeking past it); decode; a malformed,
+   unknown-version, oversized or invalid value (and any other per-record failure:
+   ``unprocessable``) goes to the dead-letter topic with the reason in its headers; a good chunk
+   is handed to the writer thread for its partition's open data file in its ``date=/hour=``
+   folder;
+3. a partition's batch is sealed when its files reach ``file_max_rows`` / ``file_max_bytes``
+   (checked per message) or ``roll_interval_s`` passed (checked per poll): the writer thread
+   finishes the files, waits for the batch's dead letters, and commits the files to the table
+   with the partition's transaction (version = the batch's last offset) while consumption goes on;
+4. when a seal has completed (in order): commit ``last offset + 1`` to Kafka. A failed seal (the
+   store full or unreachable, a dead letter refused) rewinds the partition to its first
+   uncommitted offset and stops consumption (``backoff.WriteBackoff``: 1 s, 2 s, 4 s ... up to
+   ``write_backoff_max_s``), so nothing is committed anywhere that is not in the table.
 
-Why no duplicates after a crash: a file holds offsets of one partition and is named by its
-offset range. When a partition is first seen after (re)assignment, the offsets stored in its
-files past the resume point are loaded (with each row's request id and chunk index) and skipped
-when the replayed message is the same one, so a replay writes only what is missing, whatever the
-batch boundaries were before. A different message at a stored offset (the topic was deleted and
-recreated, e.g. an in-memory broker restarted) is written, under a differently tagged name.
-Dead letters are at-least-once: a crash before the commit re-sends them. Temporary files of the crashed run are deleted at
-start-up and the index is reconciled with the disk.
+Why no duplicates: the table commit and the offset it covers are one atomic Delta commit. A
+replica that dies between the table commit and the Kafka commit leaves Kafka behind the table;
+whoever gets the partition next (itself restarted, or another replica after the rebalance) reads
+the transaction and resumes after it. A replica that still writes a partition it lost (a zombie
+after a rebalance) cannot commit it twice either: the commit checks the recorded version first,
+and two commits of one app id conflict in Delta (the loser re-checks, finds its offsets taken,
+and seeks past them: ``Stale``). Dead letters are at-least-once (acknowledged before the table
+commit; a crash before it re-sends them). Retention and compaction are the scheduler's
+(tide/dataset/retention.py): a late record older than the TTL goes at its next pass.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -44,16 +47,19 @@ from tide.config import IngestConfig, KafkaConfig
 from tide.contracts import DEAD_INVALID, DEAD_UNPROCESSABLE
 from tide.dataset.backoff import WriteBackoff
 from tide.dataset.dead_letter import DeadLetterFailed, DeadLetters
-from tide.dataset.index import DatasetIndex
-from tide.dataset.lock import LockBusy
-from tide.dataset.partitions import PartitionState, Seal, stored_after
-from tide.dataset.retention import apply_retention
-from tide.dataset.schema import Row, partition_dir
-from tide.dataset.writer import OpenFile, remove_temporaries
-from tide.dataset.writer_thread import WriterThread
+from tide.dataset.location import Location
+from tide.dataset.partitions import PartitionState, Seal, app_id
+from tide.dataset.schema import Row, partition_path, partition_values
+from tide.dataset.table import DatasetTable
+from tide.dataset.tombstones import Tombstones
+from tide.dataset.writer import DataFileWriter
+from tide.dataset.writer_thread import Batch, WriterThread
 from tide.records import RecordError, decode
 
 log = logging.getLogger(__name__)
+# tests only: while <dir>/pause-after-table-commit exists, a seal pauses between its table commit
+# and its Kafka commit (after creating <dir>/paused-<pid>), so a test can kill it exactly there
+FAULT_DIR_ENV = "TIDE_INGEST_FAULT_DIR"
 
 
 def wanted_topics(config: IngestConfig, kafka: KafkaConfig) -> list:
@@ -86,19 +92,20 @@ def ensure_topics(config: IngestConfig, kafka: KafkaConfig) -> None:
 
 
 class Ingestor:
-    """Consumes ``kafka.topic`` into ``data_dir``; ``run`` until the stop event is set."""
+    """Consumes ``kafka.topic`` into the table at ``location``; ``run`` until the stop event is set."""
 
-    def __init__(self, config: IngestConfig, kafka: KafkaConfig, data_dir: str | Path) -> None:
+    def __init__(self, config: IngestConfig, kafka: KafkaConfig, location: Location | str | Path) -> None:
         self.config = config
         self.kafka = kafka
-        self.data_dir = Path(data_dir)
-        self.index: DatasetIndex | None = None
+        self.location = location if isinstance(location, Location) else Location.from_uri(location, config.storage_options)
+        self.table: DatasetTable | None = None  # the consumer thread's reads
         self._writer: WriterThread | None = None
         self._consumer: Any = None
         self._dead_letters: Any = None
         self._parts: dict[Any, PartitionState] = {}
         self._seals: deque[Seal] = deque()
-        self._last_retention_s = time.monotonic()
+        self._rewind_to: dict[Any, int] = {}  # partitions revoked with work discarded: where it began
+        self._last_gauges_s = time.monotonic()
         self._last_poll_s: float | None = None
         self._backoff = WriteBackoff(config.write_backoff_initial_s, config.write_backoff_max_s)
         self._paused_partitions = 0  # for /health (read on its thread)
@@ -106,14 +113,9 @@ class Ingestor:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def open(self) -> None:
-        """Clean crash leftovers, reconcile the index, create topics, join the group."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        removed = remove_temporaries(self.data_dir)
-        self.index = DatasetIndex(self.data_dir)
-        added, dropped = self.index.reconcile()
-        if removed or added or dropped:
-            log.info("ingest: removed %d temporary files; index +%d -%d", removed, added, dropped)
-        self._writer = WriterThread(self.index)
+        """Create the table if missing, create topics, join the group."""
+        self.table = DatasetTable(self.location)
+        self.table.ensure()
         # pyarrow imports pandas on its first conversion of Python objects (~0.5 s): pay it now,
         # not with the first row group
         pa.array(["warm-up"], pa.string())
@@ -121,6 +123,8 @@ class Ingestor:
             ensure_topics(self.config, self.kafka)
         c, k = self.config, self.kafka
         self._dead_letters = DeadLetters(c, k)
+        self._writer = WriterThread(DatasetTable(self.location), Tombstones(self.location),
+                                    self._dead_letters.confirm)
         self._consumer = KafkaConsumer(
             bootstrap_servers=k.bootstrap_servers.split(","), group_id=c.group_id,
             client_id="tide-ingest", enable_auto_commit=False, auto_offset_reset="earliest",
@@ -135,7 +139,7 @@ class Ingestor:
             self.poll_once()
 
     def poll_once(self) -> int:
-        """One poll + the flushes, commits and retention it makes due; returns messages handled.
+        """One poll + the flushes and commits it makes due; returns messages handled.
         While writes are failing, the poll only heartbeats (every partition is paused)."""
         self._last_poll_s = time.monotonic()
         if self._backoff.due(self._last_poll_s):
@@ -145,17 +149,21 @@ class Ingestor:
         for tp, messages in batch.items():
             for message in messages:
                 try:
-                    self._handle(tp, message)
+                    if not self._handle(tp, message):
+                        break  # the rest of this partition's batch is already in the table
                 except DeadLetterFailed as exc:  # the rest of this batch is fetched again
                     self._write_failed(tp, self._first_uncommitted(tp, message.offset), exc)
                     break
                 handled += 1
         self._flush_due(time.monotonic())
         self._settle_seals(wait=False)
-        if time.monotonic() - self._last_retention_s > self.config.retention_interval_s:
-            self._last_retention_s = time.monotonic()
-            self.retention()
+        if time.monotonic() - self._last_gauges_s > self.config.retention_interval_s:
+            self._last_gauges_s = time.monotonic()
+            self._update_dataset_gauges()
         return handled
+    def positions(self) -> dict[Any, int]:
+        """The next offset to consume of each partition assigned to this replica (benchmarks)."""
+        return {tp: self._consumer.position(tp) for tp in self._consumer.assignment()}
 
     def health(self) -> tuple[bool, dict]:
         """Ready = joined and polling: a loop that has not polled for ``max(30 s, 20 polls)``
@@ -186,69 +194,82 @@ class Ingestor:
                 self._writer.close()
             if self._dead_letters is not None:
                 self._dead_letters.close()
-            if self.index is not None:
-                self.index.close()
-            self._consumer = self._dead_letters = self.index = self._writer = None
+            self._consumer = self._dead_letters = self.table = self._writer = None
             self._last_poll_s = None
             self._parts.clear()
             self._seals.clear()
 
     # --- messages -------------------------------------------------------------------------------
-    def _state(self, tp: Any, offset: int) -> PartitionState:
+    def _state(self, tp: Any) -> PartitionState:
         state = self._parts.get(tp)
         if state is None:
-            self._writer.wait_idle()  # seals still in flight must be on disk before we look
-            covered = stored_after(self.index, tp.topic, tp.partition, offset)
-            state = self._parts[tp] = PartitionState(covered=covered)
-            if state.covered:
-                log.info("ingest: %s resumes at %d; %d later offsets already on disk",
-                         tp, offset, len(state.covered))
+            self._writer.wait_idle()  # seals still in flight must be in the table before we look
+            recorded = self.table.app_version(app_id(self.config.group_id, tp.topic, tp.partition))
+            if recorded is not None and self._topic_recreated(tp, recorded):
+                log.warning("ingest: %s ends before offset %d the table records for it and the group "
+                            "has no committed offset: the topic was recreated; reading it from the start",
+                            tp, recorded)
+                recorded = None
+            state = self._parts[tp] = PartitionState(skip_through=-1 if recorded is None else recorded)
         return state
 
-    def _handle(self, tp: Any, message: Any) -> None:
-        state = self._state(tp, message.offset)
-        state.note(message.offset, time.monotonic())
-        stored = state.covered.pop(message.offset, None)
+    def _topic_recreated(self, tp: Any, recorded: int) -> bool:
+        """A broker that lost the topic (an in-memory broker restarted) starts its offsets at 0
+        again, and the group's committed offsets are gone with it."""
         try:
-            record, rel = self._route(message)
+            return self._consumer.committed(tp) is None and self._consumer.end_offsets([tp])[tp] <= recorded
+        except Exception:  # noqa: BLE001 - cannot tell: trust the table
+            return False
+
+    def _handle(self, tp: Any, message: Any) -> bool:
+        """Handle one message; False when it (and the rest of the partition's batch) is already in
+        the table and the partition was moved past it."""
+        state = self._state(tp)
+        if message.offset <= state.skip_through:
+            metrics.INGEST_MESSAGES.labels("duplicate").inc()
+            log.info("ingest: %s offsets up to %d are already in the table; resuming after them",
+                     tp, state.skip_through)
+            self._consumer.seek(tp, state.skip_through + 1)
+            try:  # the group catches up with the table (its lag would stay until the next batch)
+                self._consumer.commit({tp: OffsetAndMetadata(state.skip_through + 1, "", -1)}, timeout_ms=10_000)
+            except Exception as exc:  # noqa: BLE001 - the next batch's commit covers it
+                log.warning("ingest: commit of %s at %d failed: %s", tp, state.skip_through + 1, exc)
+            return False
+        state.note(message.offset, time.monotonic())
+        try:
+            record, part = self._route(message)
         except RecordError as exc:
             self._dead_letter(state, message, exc.reason, str(exc))
-            return
+            return True
         except Exception as exc:  # unforeseen, but one record must never stop ingest
             log.exception("ingest: %s-%d@%d failed unexpectedly", message.topic, message.partition,
                           message.offset)
             self._dead_letter(state, message, DEAD_UNPROCESSABLE, f"{type(exc).__name__}: {exc}")
-            return
-        if stored is not None:
-            if stored == (record.request_id, record.chunk_index):
-                metrics.INGEST_MESSAGES.labels("duplicate").inc()
-                return
-            log.warning("ingest: %s offset %d held %s on disk but now %s: topic recreated? "
-                        "writing it", tp, message.offset, stored,
-                        (record.request_id, record.chunk_index))
+            return True
         row = Row(record, message.topic, message.partition, message.offset,
                   message.timestamp, time.time())
-        open_file = state.files.get(rel)
-        if open_file is None:
-            open_file = state.files[rel] = OpenFile(
-                self.data_dir, rel, message.topic, message.partition,
-                self.config.row_group_rows, self.config.row_group_bytes)
-        self._writer.add(open_file, row)
+        key = partition_path(part)
+        data_file = state.files.get(key)
+        if data_file is None:
+            data_file = state.files[key] = DataFileWriter(self.location, part, self.config.row_group_rows,
+                                                          self.config.row_group_bytes)
+        self._writer.add(data_file, row)
         state.rows += 1
         state.nbytes += row.nbytes
         metrics.INGEST_MESSAGES.labels("written").inc()
         if state.rows >= self.config.file_max_rows or state.nbytes >= self.config.file_max_bytes:
             self._flush(tp)
+        return True
 
-    def _route(self, message: Any) -> tuple[Any, str]:
-        """Decode and place one message: (record, its partition directory), or RecordError."""
+    def _route(self, message: Any) -> tuple[Any, dict[str, str]]:
+        """Decode and place one message: (record, its table partition), or RecordError."""
         if message.value is None:
             raise RecordError("empty value")
         record = decode(message.value, max_bytes=self.config.max_record_bytes)
         if record.finished_at_s > time.time() + self.config.max_clock_skew_s:
             raise RecordError(f"finished_at_s={record.finished_at_s} is more than "
                               f"{self.config.max_clock_skew_s:.0f} s in the future", DEAD_INVALID)
-        return record, partition_dir(record.target_model_id, record.finished_at_s)
+        return record, partition_values(record.finished_at_s)
 
     def _dead_letter(self, state: PartitionState, message: Any, reason: str, detail: str) -> None:
         state.dead_letters.append(self._dead_letters.send(message, reason, detail))
@@ -266,13 +287,14 @@ class Ingestor:
         metrics.INGEST_COMMIT_LAG.set(lag)
 
     def _flush(self, tp: Any) -> None:
-        """Hand the partition's open files to the writer for sealing; commit when it is done."""
+        """Hand the partition's batch to the writer for its table commit; commit Kafka when done."""
         state = self._parts.get(tp)
         if state is None or state.first_offset < 0:
             return
-        future = self._writer.seal(list(state.files.values()), time.time())
-        self._seals.append(Seal(tp, state.first_offset, state.last_offset + 1, future,
-                                 state.dead_letters, time.monotonic()))
+        batch = Batch(list(state.files.values()), app_id(self.config.group_id, tp.topic, tp.partition),
+                      state.first_offset, state.last_offset, state.dead_letters)
+        self._seals.append(Seal(tp, state.first_offset, state.last_offset + 1, self._writer.seal(batch),
+                                time.monotonic()))
         state.files, state.first_offset, state.rows, state.nbytes = {}, -1, 0, 0
         state.dead_letters = []
 
@@ -282,30 +304,34 @@ class Ingestor:
             seal = self._seals.popleft()
             try:
                 sealed = seal.future.result()
-                self._dead_letters.confirm(seal.dead_letters)
-            except Exception as exc:  # disk full, dead-letter topic unreachable, ...
+            except Exception as exc:  # store full or unreachable, dead-letter topic refusing, ...
                 log.error("ingest: flush of %s failed (%s); rewinding to offset %d", seal.tp, exc,
                           seal.first_offset)
                 metrics.INGEST_COMMITS.labels("write_error").inc()
                 self._write_failed(seal.tp, seal.first_offset, exc)
                 continue
             self._backoff.succeeded()
-            for stats in sealed:
+            if sealed.stale_at is not None:  # another replica committed these offsets
+                log.warning("ingest: %s offsets up to %d were committed by another replica; skipping "
+                            "past them", seal.tp, sealed.stale_at)
+                metrics.INGEST_COMMITS.labels("stale").inc()
+                self._rewind(seal.tp, sealed.stale_at + 1)
+                continue
+            for out in sealed.files:
                 metrics.INGEST_FILES.inc()
-                metrics.INGEST_FILE_BYTES.inc(stats.bytes)
-                metrics.INGEST_ROWS.inc(stats.rows)
-                metrics.INGEST_TOKENS.inc(stats.tokens)
+                metrics.INGEST_FILE_BYTES.inc(out.nbytes)
+                metrics.INGEST_ROWS.inc(out.rows)
+                metrics.INGEST_TOKENS.inc(sum(c["tokens"] for c in out.counts.values()))
+            _fault_pause()
             try:
                 self._consumer.commit({seal.tp: OffsetAndMetadata(seal.commit_to, "", -1)},
                                       timeout_ms=10_000)
                 metrics.INGEST_COMMITS.labels("ok").inc()
                 metrics.INGEST_LAST_COMMIT.set(time.time())
-            except Exception as exc:  # the files are durable: a replay of them is skipped
+            except Exception as exc:  # the table holds them: a replay skips them
                 log.warning("ingest: commit of %s at %d failed: %s", seal.tp, seal.commit_to, exc)
                 metrics.INGEST_COMMITS.labels("commit_error").inc()
             metrics.INGEST_FLUSH_SECONDS.observe(time.monotonic() - seal.started_s)
-            if sealed:
-                self._update_dataset_gauges()
 
     def _first_uncommitted(self, tp: Any, offset: int) -> int:
         """The oldest offset of ``tp`` held but not committed (``offset`` if none is older)."""
@@ -323,15 +349,8 @@ class Ingestor:
         self._paused_partitions = len(self._consumer.paused())
 
     def _resume(self) -> None:
-        """End of a backoff: make the index match the disk (a seal may have renamed its file but
-        not indexed it, and replay detection reads the index), then consume again."""
-        try:
-            self._writer.wait_idle()
-            self.index.reconcile()
-        except Exception as exc:  # still full: wait twice as long
-            self._backoff.retrying()
-            self._backoff.failed(exc, time.monotonic())
-            return
+        """End of a backoff: consume again (the next seal tells whether writing works)."""
+        self._writer.wait_idle()
         self._backoff.retrying()
         self._consumer.resume(*self._consumer.paused())
         self._paused_partitions = 0
@@ -348,45 +367,52 @@ class Ingestor:
             log.exception("ingest: seek of %s failed", tp)
 
     def forget_partitions(self, partitions: Any) -> None:
-        """Rebalance: discard what we hold for partitions we lose; the new owner replays it
-        (anything already sealed is skipped by its offsets on disk). Committing here is not an
-        option: kafka-python runs these callbacks on its IO loop, where commit() cannot run."""
+        """Rebalance: discard what we hold for partitions we lose; the new owner consumes it
+        again (what reached the table is skipped by its transaction). Committing here is not an
+        option: kafka-python runs these callbacks on its IO loop, where commit() cannot run. A
+        partition we get back keeps its fetch position (kafka-python keeps it across a
+        rebalance), so ``partitions_assigned`` seeks it back to what we discarded."""
         lost = set(partitions)
         for tp in lost:
+            held = [s.first_offset for s in self._seals if s.tp == tp]
             state = self._parts.pop(tp, None)
             if state is not None:
                 self._writer.discard(list(state.files.values()))
+                held += [state.first_offset] if state.first_offset >= 0 else []
+            if held:
+                self._rewind_to[tp] = min(held + [self._rewind_to.get(tp, held[0])])
         self._seals = deque(s for s in self._seals if s.tp not in lost)
 
     def partitions_assigned(self, partitions: Any) -> None:
         self.forget_partitions(partitions)
+        for tp in partitions:  # seek() is allowed here: it only moves the local position
+            if tp in self._rewind_to:
+                self._consumer.seek(tp, self._rewind_to[tp])
+        self._rewind_to.clear()
         if self._backoff.blocked:  # a new assignment starts unpaused
             self._consumer.pause(*partitions)
             self._paused_partitions = len(self._consumer.paused())
 
-    # --- maintenance ----------------------------------------------------------------------------
-    def retention(self) -> None:
-        """One retention pass, skipped (tried again next interval) while a ``tide data`` command
-        holds the dataset lock or when it fails (e.g. a full disk refuses the index's update)."""
-        self._writer.wait_idle()
-        try:
-            deleted = apply_retention(self.data_dir, self.index, self.config.retention_ttl_s,
-                                      self.config.retention_max_bytes, blocking=False)
-        except LockBusy:
-            log.info("ingest: dataset locked by another process; retention next time")
-            return
-        except Exception:
-            log.exception("ingest: retention failed; trying again in %.0f s",
-                          self.config.retention_interval_s)
-            return
-        if deleted:
-            log.info("ingest: retention deleted %d files", len(deleted))
-        self._update_dataset_gauges()
-
     def _update_dataset_gauges(self) -> None:
-        files, nbytes = self.index.totals()
-        metrics.INGEST_DATASET_FILES.set(files)
-        metrics.INGEST_DATASET_BYTES.set(nbytes)
+        try:
+            files = self.table.data_files()
+        except Exception as exc:  # noqa: BLE001 - a gauge must not stop ingest
+            log.warning("ingest: cannot read the table log for its gauges: %s", exc)
+            return
+        metrics.INGEST_DATASET_FILES.set(len(files))
+        metrics.INGEST_DATASET_BYTES.set(sum(f.size for f in files))
+
+
+def _fault_pause() -> None:
+    """Tests only (``FAULT_DIR_ENV``): stop between the table commit and the Kafka commit."""
+    folder = os.environ.get(FAULT_DIR_ENV)
+    if not folder or not os.path.exists(os.path.join(folder, "pause-after-table-commit")):
+        return
+    with open(os.path.join(folder, f"paused-{os.getpid()}"), "w") as marker:
+        marker.write(str(time.time()))
+    deadline = time.monotonic() + 300
+    while os.path.exists(os.path.join(folder, "pause-after-table-commit")) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -397,5 +423,5 @@ class _Rebalance(ConsumerRebalanceListener):
         self.ingestor.forget_partitions(revoked)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
-        # offsets already on disk are loaded lazily at each partition's first message
+        # the table's transaction is read at each partition's first message (not on the IO loop)
         self.ingestor.partitions_assigned(assigned)

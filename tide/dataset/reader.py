@@ -1,9 +1,10 @@
 """Streaming reader of the dataset for training: samples = whole requests, chunks joined.
 
 ``DatasetReader.samples`` steps:
-1. choose files (given, or from the index by capture-time window and target model; without an
-   index, every data file on disk);
-2. stream each file in small record batches (never the whole dataset in memory);
+1. choose files: given, or the files of the reader's table version (pinned at construction, the
+   newest by default) whose log statistics overlap the capture-time window and target model;
+2. stream each file in small record batches (never the whole dataset in memory); a file VACUUM
+   removed since the version was written is skipped;
 3. keep each chunk until its request's ``chunk_count`` chunks are all seen (chunks of a request
    share a Kafka partition, so they are adjacent in practice); duplicates of a chunk (e.g. a
    producer retry) are ignored;
@@ -13,18 +14,17 @@ Requests whose chunks never all arrive are skipped and counted in ``incomplete``
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from tide.dataset.index import INDEX_NAME, DatasetIndex
-from tide.dataset.schema import list_files, version_changes_of
+from tide.dataset.location import Location
+from tide.dataset.schema import version_changes_of
+from tide.dataset.table import DataFile, DatasetTable
 from tide.records import hidden_to_float32
 
 log = logging.getLogger(__name__)
@@ -66,42 +66,39 @@ class Sample:
 
 
 class DatasetReader:
-    def __init__(self, data_dir: str | Path, max_pending_requests: int = 4096) -> None:
-        self.data_dir = Path(data_dir)
+    def __init__(self, location: Location | DatasetTable | str | Path, version: int | None = None,
+                 max_pending_requests: int = 4096) -> None:
+        self.table = location if isinstance(location, DatasetTable) else DatasetTable(location)
+        # None: the newest at the first read (then fixed for this reader)
+        self.version = version
         self.max_pending_requests = max_pending_requests
         self.incomplete = 0
         self.duplicates = 0
+        self.missing_files = 0  # listed in the version's log but gone from storage (vacuumed)
 
     def files(self, since_s: float | None = None, until_s: float | None = None,
-              target_model: str | None = None) -> list[Path]:
-        """Files overlapping [since_s, until_s) of capture time, oldest first."""
-        if not (self.data_dir / INDEX_NAME).exists():
-            return list_files(self.data_dir)
-        try:
-            index = DatasetIndex(self.data_dir, read_only=True)
-            try:
-                chosen = index.files(since_s, until_s, target_model)
-            finally:
-                index.close()
-        except sqlite3.Error as exc:
-            # the index only narrows the files to read: every row is filtered again below
-            log.warning("dataset index unreadable here (%s); reading every file's rows", exc)
-            return list_files(self.data_dir)
-        return [self.data_dir / s.path for s in chosen if (self.data_dir / s.path).exists()]
+              target_model: str | None = None) -> list[DataFile]:
+        """Files of the pinned version overlapping [since_s, until_s) of capture time, oldest first."""
+        if self.version is None:
+            self.version = self.table.version()
+            if self.version is None:
+                return []
+        return self.table.data_files(self.version, since_s, until_s, target_model)
 
-    def samples(self, files: Iterable[Path] | None = None, since_s: float | None = None,
+    def samples(self, files: Iterable[DataFile] | None = None, since_s: float | None = None,
                 until_s: float | None = None, target_model: str | None = None,
                 batch_rows: int = 8) -> Iterator[Sample]:
         """Complete requests captured in [since_s, until_s), streamed file by file."""
-        paths = list(files) if files is not None else self.files(since_s, until_s, target_model)
+        chosen = list(files) if files is not None else self.files(since_s, until_s, target_model)
         pending: OrderedDict[str, dict[int, dict]] = OrderedDict()
         completed: OrderedDict[str, None] = OrderedDict()  # late duplicates of yielded requests
-        for path in paths:
+        for data_file in chosen:
             try:
-                parquet = pq.ParquetFile(path)
-            except FileNotFoundError:  # deleted by retention after it was listed
+                parquet = self.table.open_file(data_file.path)
+            except FileNotFoundError:  # vacuumed after this version was written
+                self.missing_files += 1
                 continue
-            names = set(parquet.schema_arrow.names)  # files from before a column existed lack it
+            names = set(parquet.schema_arrow.names)
             for batch in parquet.iter_batches(batch_size=batch_rows, columns=[c for c in _COLUMNS if c in names]):
                 for row in batch.to_pylist():
                     if not self._wanted(row, since_s, until_s, target_model):

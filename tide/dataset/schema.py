@@ -1,28 +1,23 @@
-"""Parquet layout of the dataset: one row per record chunk, and where each file lives.
+"""The dataset's table schema: one row per record chunk, partitioned by capture date and hour.
 
-Written down for other tools in ``schemas/parquet.schema.json`` (packaged as ``tide.schemas``) (a test keeps the two equal).
-
-Layout: ``<data_dir>/target_model=<quoted id>/date=YYYY-MM-DD/hour=HH/<file>`` where the date and
-hour are the UTC capture time (``finished_at_s``) and ``<file>`` is
-``<topic>-p<partition>-<first offset>-<last offset>-<tag>.parquet`` (offsets zero-padded to 20
-digits; ``tag`` = 8 hex digits hashed from the first row's request id, chunk index and Kafka
-timestamp, so a topic recreated with offsets from 0 never overwrites an older file).
-A file holds only offsets of one topic partition, so the offsets on disk (checked against the
-request id and chunk index stored there) say exactly which messages are already durable. Files being written are dot-prefixed ``.tmp`` files that no reader
-lists. Chunks are stored as they came (not reassembled): a file never waits for a request's
-other chunks, and the reader joins them.
+Written down for other tools in ``schemas/parquet.schema.json`` (packaged as ``tide.schemas``; a
+test keeps the two equal). The dataset is one Delta Lake table (tide/dataset/table.py): its
+columns are ``PARQUET_SCHEMA`` plus the partition columns ``date`` (UTC date of ``finished_at_s``)
+and ``hour`` (its UTC hour), which live in the table log's partition values, not in the data
+files (Delta's convention), so retention and windows prune whole ``date=/hour=`` folders.
+Chunks are stored as they came (not reassembled): a batch never waits for a request's other
+chunks, and the reader joins them. Delta has no unsigned integers: the loss mask is int8.
 """
 from __future__ import annotations
 
-import hashlib
-import re
+import datetime
+import json
 import time
-import urllib.parse
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tide.records import SCHEMA_VERSION, Record
 
@@ -48,66 +43,55 @@ PARQUET_SCHEMA = pa.schema([
     ("hidden_size", pa.int32()),
     ("hidden_dtype", pa.string()),
     ("token_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.uint8())),
+    ("loss_mask", pa.list_(pa.int8())),
     ("aux_hidden", pa.binary()),
     ("final_hidden", pa.binary()),
     ("version_changes", pa.list_(pa.struct([("position", pa.int32()), ("drafter_version", pa.string())]))),
 ])
+PARTITION_COLUMNS = ("date", "hour")
+TABLE_SCHEMA = PARQUET_SCHEMA.append(pa.field("date", pa.date32())).append(pa.field("hour", pa.int32()))
 HIDDEN_COLUMNS = ("aux_hidden", "final_hidden")
 # bf16/fp8 activations barely compress; zstd on them costs ingest CPU for ~10 % of bytes
 COLUMN_COMPRESSION = {name: ("none" if name in HIDDEN_COLUMNS else "zstd")
                       for name in PARQUET_SCHEMA.names}
 STATISTICS_COLUMNS = [n for n in PARQUET_SCHEMA.names if n not in HIDDEN_COLUMNS
                       and n not in ("token_ids", "loss_mask", "aux_layer_ids", "version_changes")]
-
-_FILE_RE = re.compile(r"^(?P<topic>.+)-p(?P<partition>\d+)-(?P<first>\d{20})-(?P<last>\d{20})"
-                      r"-(?P<tag>[0-9a-f]{8})\.parquet$")
-
-
-@dataclass(frozen=True)
-class FileName:
-    topic: str
-    partition: int
-    first_offset: int
-    last_offset: int
-    tag: str
-
-    def __str__(self) -> str:
-        return (f"{self.topic}-p{self.partition}-{self.first_offset:020d}-{self.last_offset:020d}"
-                f"-{self.tag}.parquet")
-
-    @classmethod
-    def parse(cls, name: str) -> "FileName | None":
-        match = _FILE_RE.match(name)
-        if not match:
-            return None
-        return cls(match["topic"], int(match["partition"]), int(match["first"]), int(match["last"]),
-                   match["tag"])
-
-    @staticmethod
-    def tag_for(request_id: str, chunk_index: int, timestamp_ms: int) -> str:
-        key = f"{request_id}\0{chunk_index}\0{timestamp_ms}".encode("utf-8", "surrogatepass")
-        return hashlib.blake2b(key, digest_size=4).hexdigest()
+# min/max written into each file's add action: what windows, retention and replays prune on
+_STATS_COLUMNS = ("kafka_partition", "kafka_offset", "request_id", "target_model_id", "finished_at_s",
+                  "ingested_at_s", "chunk_index")
 
 
-_MAX_MODEL_DIR_CHARS = 200  # "target_model=" + this stays within a file name's 255 bytes
-
-
-def partition_dir(target_model_id: str, at_s: float) -> str:
-    """Relative hive-style directory for a model and a capture time (UTC). A quoted model id
-    longer than 200 characters is cut and ends in ``~`` + 16 hex digits of its hash."""
+def partition_values(at_s: float) -> dict[str, str]:
+    """Delta partition values (strings, as the log stores them) for a capture time (UTC)."""
     t = time.gmtime(at_s)
-    model = urllib.parse.quote(target_model_id, safe="")
-    if len(model) > _MAX_MODEL_DIR_CHARS:
-        digest = hashlib.blake2b(target_model_id.encode(), digest_size=8).hexdigest()
-        model = model[:_MAX_MODEL_DIR_CHARS - 17] + "~" + digest
-    return f"target_model={model}/date={t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}/hour={t.tm_hour:02d}"
+    return {"date": f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}", "hour": str(t.tm_hour)}
 
 
-def list_files(data_dir: Path) -> list[Path]:
-    """Durable data files (temporary files are dot-prefixed and never listed)."""
-    return sorted(p for p in data_dir.glob("target_model=*/date=*/hour=*/*.parquet")
-                  if not p.name.startswith("."))
+def partition_path(values: dict[str, str]) -> str:
+    """The folder of a partition inside the table, hive style: ``date=YYYY-MM-DD/hour=H``."""
+    return "/".join(f"{k}={values[k]}" for k in PARTITION_COLUMNS)
+
+
+def partition_start_s(values: dict) -> float:
+    """The first second of a partition (UTC), from log values (strings) or typed ones."""
+    day = values["date"]
+    if isinstance(day, str):
+        day = datetime.date.fromisoformat(day)
+    start = datetime.datetime(day.year, day.month, day.day, int(values["hour"]), tzinfo=datetime.timezone.utc)
+    return start.timestamp()
+
+
+def file_stats(table: pa.Table) -> str:
+    """Delta add-action statistics (JSON) of a data file holding ``table``."""
+    mins, maxs, nulls = {}, {}, {}
+    for name in _STATS_COLUMNS:
+        column = table.column(name)
+        nulls[name] = column.null_count
+        if table.num_rows > column.null_count:
+            bounds = pc.min_max(column)
+            mins[name], maxs[name] = bounds["min"].as_py(), bounds["max"].as_py()
+    return json.dumps({"numRecords": table.num_rows, "minValues": mins, "maxValues": maxs,
+                       "nullCount": nulls})
 
 
 @dataclass
@@ -167,7 +151,7 @@ def rows_to_table(rows: list[Row]) -> pa.Table:
         pa.array([x.hidden_size for x in recs], pa.int32()),
         pa.array([x.hidden_dtype for x in recs], pa.string()),
         _list_array([x.token_ids for x in recs], pa.int32(), "int32"),
-        _list_array([x.loss_mask for x in recs], pa.uint8(), "uint8"),
+        _list_array([x.loss_mask for x in recs], pa.int8(), "int8"),
         _binary_column([x.aux_hidden for x in recs]),
         _binary_column([x.final_hidden for x in recs]),
         pa.array([[{"position": p, "drafter_version": v} for p, v in x.version_changes] for x in recs],
@@ -177,7 +161,7 @@ def rows_to_table(rows: list[Row]) -> pa.Table:
 
 
 def row_to_record(row: dict) -> Record:
-    """A Parquet row (as a dict of Python/numpy values) back to a Record."""
+    """A table row (as a dict of Python/numpy values) back to a Record."""
     return Record(
         request_id=row["request_id"], target_model_id=row["target_model_id"],
         drafter_version=row["drafter_version"], aux_layer_ids=tuple(row["aux_layer_ids"]),
@@ -193,5 +177,5 @@ def row_to_record(row: dict) -> Record:
 
 
 def version_changes_of(row: dict) -> tuple[tuple[int, str], ...]:
-    """A row's version changes; none in files written before the column existed."""
+    """A row's version changes (empty when there were none)."""
     return tuple((c["position"], c["drafter_version"]) for c in row.get("version_changes") or ())

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tide import metrics
 from tide.engine.server import ControlPlane
-from tide.ops.follower import DrafterFollower, OpsError
+from tide.ops.follower import DrafterFollower
+from tide.ops.operations import OpsError
 
 
 class _Body(BaseModel):

@@ -5,17 +5,21 @@ Two background threads, so that the guard never waits behind a registry call:
   1. while no registry is connected: try to connect every ``registry_retry_s`` (the engine keeps
      serving the drafter it has; inference never waits on the registry); on first contact,
      register the configured drafter as champion if the registry has no version yet;
-  2. every ``poll_interval_s`` (at once when the guard asks): move the registry alias back for a
-     pending collapse rollback, then ``check_now``: read the aliases, download the followed
-     version (tide/registry/artifacts.py checks its record and files; a version that fails is
-     refused for good) and let the SwapWatcher validate, smoke-decode and swap it in.
+  2. every ``poll_interval_s`` (at once when the guard asks): report a pending collapse, then
+     ``check_now``: read the aliases, download the followed version (tide/registry/artifacts.py
+     checks its record and files; a version that fails is refused for good) and let the
+     SwapWatcher validate, smoke-decode and swap it in; then report this replica to the fleet view
+     (tide/ops/fleet.py: served version and since when, the followed one, when it converged, what
+     it refused and why; gauges ``tide_ops_converged``, ``tide_ops_serving_since_timestamp_seconds``).
 - "tide-ops-guard", every ``guard_interval_s``: the collapse guard, which touches only the engine
   and the last aliases the registry thread read. Its rollback swaps the previous drafter back at
-  once, refuses the collapsed version locally (so polling never swaps it in again), and leaves
-  the registry alias to the registry thread (``registry.rollback``, actor ``collapse-guard``;
-  retried each poll while the registry is unreachable or hangs). With no previous champion
-  anywhere (the drafter served before the registry was first reached does not count) it only
-  alerts: a weak drafter still beats none.
+  once and refuses the collapsed version locally (so polling never swaps it in again); the
+  registry thread reports the collapse to the alias owner (retried each poll while it or the
+  registry is unreachable or hangs), which rolls ``champion`` back once for the fleet. With no
+  previous champion anywhere (the drafter served before the registry was first reached does not
+  count) it only alerts: a weak drafter still beats none.
+Every alias change (``promote``, ``rollback``, a collapse report) goes through the alias writer
+(tide/ops/aliases.py: the owner's API, or an owner in this process); the follower writes none.
 Locks: ``_op_lock`` serialises registry-side work (polls, and the control API's ``check_now``,
 ``promote``, ``rollback`` from request threads; it may be held across a slow registry call);
 the watcher's ``swap_lock`` guards what serves and what is refused and is held only for a swap.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -40,33 +45,36 @@ from tide import metrics
 from tide.contracts import CHAMPION, PREVIOUS_CHAMPION
 from tide.drafter.artifact import DrafterError
 from tide.engine.base import Engine
+from tide.ops.alias_api import alias_writer
+from tide.ops.aliases import AliasError, AliasOwner
+from tide.ops.fleet import replica_record
 from tide.ops.guard import CollapseGuard
-from tide.ops.inventory import live_acceptance_from_stats, version_record
+from tide.ops.operations import Operations, OpsError
 from tide.ops.swap import SwapOutcome, SwapWatcher
 from tide.registry import Registry, RegistryError, UntrustedVersion
 
+__all__ = ["DrafterFollower", "OpsError"]
 log = logging.getLogger(__name__)
 
 GUARD_ACTOR = "collapse-guard"
 DEFAULT_SMOKE_IDS = [5, 6, 7, 8, 9, 10]  # when the engine has no tokenizer (tests)
 
 
-class OpsError(RuntimeError):
-    """An operation was not done; ``status`` is the HTTP status the control API answers with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class DrafterFollower:
+class DrafterFollower(Operations):
     def __init__(self, engine: Engine, cfg, connect: Callable[[], Registry], bootstrap_path: Path | None = None,
-                 smoke_prompt_ids: list[int] | None = None) -> None:
-        """``cfg`` is the OpsConfig; ``connect`` builds a Registry (raises while unreachable)."""
+                 smoke_prompt_ids: list[int] | None = None, writer: Callable[[Registry], object] | None = None,
+                 replica: str = "") -> None:
+        """``cfg`` is the OpsConfig; ``connect`` builds a Registry (raises while unreachable);
+        ``writer`` the alias writer over it (default: an AliasOwner in this process)."""
         self.engine = engine
         self.cfg = cfg
         self.registry: Registry | None = None
+        self.writer = None  # set with the registry
+        self.replica = replica or socket.gethostname()
         self._connect = connect
+        self._make_writer = writer or AliasOwner
+        self._followed: tuple[str | None, float] = (None, time.time())  # (version, since when)
+        self._fleet_error: str | None = None
         self._bootstrap_path = bootstrap_path
         self._swap_lock = threading.RLock()
         self.watcher = SwapWatcher(engine, self._resolve, smoke_prompt_ids or DEFAULT_SMOKE_IDS,
@@ -97,7 +105,9 @@ class DrafterFollower:
             path = None
         tok = engine.tokenizer
         ids = list(tok.encode(cfg.ops.smoke_prompt)) if tok is not None else None
-        return cls(engine, cfg.ops, lambda: Registry.from_config(cfg), path, ids)
+        return cls(engine, cfg.ops, lambda: Registry.from_config(cfg), path, ids,
+                   writer=lambda registry: alias_writer(cfg, registry),
+                   replica=f"{socket.gethostname()}:{cfg.server.port}")
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self, block: bool = True) -> None:
@@ -156,6 +166,7 @@ class DrafterFollower:
                     return
                 self._retry_registry_rollback()
                 self.check_now()
+                self._report_replica()
             finally:
                 self._registry_call_since = None
 
@@ -175,6 +186,7 @@ class DrafterFollower:
                 log.error("drafter follower: could not register %s as the first champion: %s",
                           self._bootstrap_path, exc)
         self.registry, self.connected, self.last_error = registry, True, None
+        self.writer = self._make_writer(registry)
         metrics.OPS_REGISTRY_CONNECTED.set(1)
         log.info("drafter follower: following %s of %s at %s", self.cfg.follow_alias,
                  registry.model_name, registry.shown_uri)
@@ -196,6 +208,8 @@ class DrafterFollower:
         if number is None:
             return None
         version = str(number)
+        if version != self._followed[0]:
+            self._followed = (version, time.time())
         if version == self.engine.drafter_version or version in self.watcher.refused:
             return version, Path()
         try:
@@ -234,57 +248,6 @@ class DrafterFollower:
             return self.watcher.swap_to(*previous)
         return self.check_now()
 
-    # --- operations ---------------------------------------------------------------------------
-    def _registry_or_raise(self) -> Registry:
-        if self.registry is None:
-            raise OpsError(503, f"registry not connected ({self.last_error or 'connecting'}); "
-                                f"serving {self.engine.drafter_version}")
-        return self.registry
-
-    def promote(self, version: int, actor: str, reason: str = "") -> dict:
-        """Validate ``version`` on this engine, move ``champion`` to it, and serve it."""
-        registry = self._registry_or_raise()
-        with self._op_lock:
-            v, drafter = str(version), None
-            try:
-                registry.get_version(version)
-                if v != self.engine.drafter_version:
-                    drafter = self.watcher.validate(registry.download(version))
-            except UntrustedVersion as exc:
-                self.watcher.refuse(v, str(exc))
-                raise OpsError(409, f"version {v} refused: {exc}") from exc
-            except RegistryError as exc:
-                raise OpsError(404 if "has no version" in str(exc) else 503, str(exc)) from exc
-            except Exception as exc:  # noqa: BLE001 - validation, smoke decode: the version's fault
-                detail = str(exc) if isinstance(exc, DrafterError) else f"{type(exc).__name__}: {exc}"
-                self.watcher.refuse(v, detail)
-                raise OpsError(409, f"version {v} refused: {detail}") from exc
-            try:
-                old, new = registry.promote(version, actor=actor, reason=reason)
-            except RegistryError as exc:
-                raise OpsError(409 if "not completely registered" in str(exc) else 503, str(exc)) from exc
-            with self._swap_lock:
-                self.watcher.refused.pop(v, None)  # an operator's explicit choice of a validated version
-            outcome = self.watcher.swap_to(v, drafter) if drafter is not None else SwapOutcome("unchanged", v)
-            return self._result("promote", actor, old, new, outcome)
-
-    def rollback(self, actor: str, reason: str = "") -> dict:
-        """``champion`` back to ``previous-champion`` in the registry, and serve it."""
-        registry = self._registry_or_raise()
-        with self._op_lock:
-            try:
-                old, new = registry.rollback(actor=actor, reason=reason)
-            except RegistryError as exc:
-                raise OpsError(409 if "no previous champion" in str(exc) else 503, str(exc)) from exc
-            metrics.OPS_ROLLBACKS.labels("operator").inc()
-            return self._result("rollback", actor, old, new, self._swap_to_version(str(new)))
-
-    def _result(self, op: str, actor: str, old, new, outcome: SwapOutcome) -> dict:
-        self.last_check = outcome
-        return {"op": op, "actor": actor, "from": old, "to": new, "serving": self.engine.drafter_version,
-                "outcome": dataclasses.asdict(outcome),
-                "engine_swap_pause_s": self.engine.last_swap_pause_s}
-
     def _guard_rollback(self, reason: str) -> None:
         """The collapse guard's rollback, in the guard thread: no registry call here."""
         bad = self.engine.drafter_version
@@ -299,53 +262,30 @@ class DrafterFollower:
         if previous is not None and previous[0] != bad:
             self.watcher.swap_to(*previous)
         self._pending_rollback = (bad, reason)
-        self._wake.set()  # the registry thread moves the alias (or keeps trying while it hangs)
+        self._wake.set()  # the registry thread reports it (or keeps trying while the registry hangs)
 
     def _retry_registry_rollback(self) -> None:
-        pending, registry = self._pending_rollback, self.registry
-        if pending is None or registry is None:
+        """Report a pending collapse to the alias owner, which decides the fleet-wide rollback once."""
+        pending, writer = self._pending_rollback, self.writer
+        if pending is None or writer is None:
             return
         bad, reason = pending
-        if self.cfg.follow_alias != CHAMPION:  # only champion has a previous to go back to
+        if self.cfg.follow_alias != CHAMPION or not bad.isdigit():  # no registry version to roll back
             self._clear_pending(pending)
             return
         try:
-            aliases = registry.aliases()
-            if str(aliases.get(CHAMPION)) == bad:
-                if PREVIOUS_CHAMPION not in aliases:
-                    log.error("collapse guard: registry has no previous champion; %s stays champion "
-                              "there but this engine refuses it", bad)
-                else:
-                    registry.rollback(actor=GUARD_ACTOR, reason=reason)
-            self._clear_pending(pending)
-        except RegistryError as exc:
-            log.warning("collapse guard: registry rollback of %s pending: %s", bad, exc)
+            result = writer.report_collapse(int(bad), reason, self.replica)
+        except (AliasError, RegistryError) as exc:
+            log.warning("collapse guard: report of %s to the alias owner pending: %s", bad, exc)
             return
+        log.info("collapse guard: reported %s: %s", bad, result.detail)
+        self._clear_pending(pending)
         self.check_now()  # converge on whatever the registry now says
 
     def _clear_pending(self, done: tuple[str, str]) -> None:
         with self._swap_lock:  # the guard may have queued a newer rollback meanwhile
             if self._pending_rollback == done:
                 self._pending_rollback = None
-
-    # --- reading --------------------------------------------------------------------------------
-    def drafters(self) -> dict:
-        """Registered versions with the live acceptance this engine measured (GET /control/drafters)."""
-        registry = self._registry_or_raise()
-        live = live_acceptance_from_stats(self.engine.stats().acceptance)
-        try:
-            versions = registry.list_versions()
-        except RegistryError as exc:
-            raise OpsError(503, str(exc)) from exc
-        return {"serving": self.engine.drafter_version, "follow_alias": self.cfg.follow_alias,
-                "live_accept_length": live,
-                "versions": [version_record(v, live, self.engine.drafter_version) for v in versions]}
-
-    def operations(self) -> list[dict]:
-        try:
-            return self._registry_or_raise().operations()
-        except RegistryError as exc:
-            raise OpsError(503, str(exc)) from exc
 
     @property
     def state(self) -> str:
@@ -356,9 +296,33 @@ class DrafterFollower:
         status = self.last_check.status if self.last_check is not None else None
         return {"refused": "refused", "not_applied": "not applied"}.get(status, "following")
 
+    def rollout(self) -> dict:
+        """This replica's part of the fleet view; also sets the rollout gauges."""
+        serving, (followed, followed_since_s) = self.engine.drafter_version, self._followed
+        serving_since_s = self.watcher.serving_since_s
+        converged = followed is not None and serving == followed
+        metrics.OPS_CONVERGED.set(1 if converged else 0)
+        metrics.OPS_SERVING_SINCE.set(serving_since_s)
+        return replica_record(self.replica, serving, followed, self.state, serving_since_s,
+                              max(serving_since_s, followed_since_s) if converged else None,
+                              self.watcher.refused, self.last_error, self.cfg.poll_interval_s)
+
+    def _report_replica(self) -> None:
+        record, writer = self.rollout(), self.writer
+        if writer is None:
+            return
+        try:
+            writer.report_replica(record)
+            self._fleet_error = None
+        except (AliasError, RegistryError) as exc:
+            if str(exc) != self._fleet_error:  # once per distinct failure, not every poll
+                log.warning("drafter follower: cannot report to the fleet view: %s", exc)
+            self._fleet_error = str(exc)
+
     def health(self) -> dict:
         previous, since = self.watcher.previous, self._registry_call_since
-        return {"state": self.state, "registry_connected": self.connected,
+        rollout = self.rollout()
+        return {"state": self.state, "registry_connected": self.connected, "rollout": rollout,
                 "follow_alias": self.cfg.follow_alias, "serving": self.engine.drafter_version,
                 "previous": previous[0] if previous else None, "refused": dict(self.watcher.refused),
                 "last_check": dataclasses.asdict(self.last_check) if self.last_check else None,

@@ -113,7 +113,8 @@ def show_text(info: VersionInfo, live: Mapping[str, float] | None, operations: l
 
 
 def operation_line(op: dict) -> str:
-    return (f"  {_utc(op.get('at_s'))}  {op.get('op'):<8} {op.get('from')} -> {op.get('to')}  "
+    seq = f"g{op['seq']:<4} " if op.get("seq") is not None else ""  # the alias generation it made
+    return (f"  {seq}{_utc(op.get('at_s'))}  {op.get('op'):<8} {op.get('from')} -> {op.get('to')}  "
             f"by {op.get('actor')}" + (f"  ({op['reason']})" if op.get("reason") else ""))
 
 
@@ -144,6 +145,10 @@ def rows_text(rows: list[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+class EngineRefused(RuntimeError):
+    """The engine answered 401: the control token is wrong (the engine is reachable)."""
+
+
 class EngineClient:
     """A running engine's control API and /metrics, for the CLI."""
 
@@ -152,12 +157,28 @@ class EngineClient:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
 
-    def check(self) -> dict:
-        resp = httpx.post(f"{self.url}/control/check", headers=self.headers, timeout=self.timeout_s)
+    def _control(self, method: str, path: str) -> dict:
+        resp = httpx.request(method, f"{self.url}/control/{path}", headers=self.headers, timeout=self.timeout_s)
+        if resp.status_code == 401:
+            raise EngineRefused(f"engine {self.url} refused the control token (401): wrong or missing --token")
         if resp.status_code != 200:
-            raise RuntimeError(f"engine {self.url}: POST /control/check answered {resp.status_code}: "
+            raise RuntimeError(f"engine {self.url}: {method} /control/{path} answered {resp.status_code}: "
                                f"{resp.text[:300]}")
         return resp.json()
+
+    def ping(self) -> None:
+        """Authenticate before anything is written: EngineRefused on a wrong token."""
+        self._control("POST", "ping")
+
+    def check(self) -> dict:
+        return self._control("POST", "check")
+
+    def rollout(self) -> dict:
+        """This replica's fleet record (tide/ops/fleet.py) from its /control/health."""
+        ops = self._control("GET", "health").get("ops")
+        if not ops:
+            raise RuntimeError(f"engine {self.url} follows no registry (ops.follow_registry is off)")
+        return ops["rollout"]
 
     def serving(self) -> str:
         """The drafter version the engine serves now, as its unauthenticated /health reports it."""

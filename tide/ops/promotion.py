@@ -9,18 +9,16 @@ Promotion is manual by default (``ops.auto_promote`` off). When on, ``decide`` a
    the static drafter). Otherwise the two numbers would describe different drafters or slices
    and comparing them would be meaningless;
 4. challenger >= parent x (1 + margin).
-``maybe_auto_promote`` applies the decision to a registry; the registry records the operation
-(actor ``auto-promotion``, the reason carries both numbers).
+The alias owner (tide/ops/aliases.py ``AliasOwner.auto_promote``) applies the decision to the
+aliases as they are under its lock, never to a copy read earlier; the operation is recorded with
+actor ``auto-promotion`` and a reason carrying both numbers.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass
 
-from tide.contracts import CHALLENGER, CHAMPION, TAG_PARENT, TAG_PARENT_SIM_ACCEPT, TAG_ROLLED_BACK
-from tide.registry import Registry, VersionInfo
-
-log = logging.getLogger(__name__)
+from tide.contracts import TAG_PARENT, TAG_PARENT_SIM_ACCEPT, TAG_ROLLED_BACK
+from tide.registry import VersionInfo
 
 ACTOR = "auto-promotion"
 
@@ -73,20 +71,3 @@ def decide(challenger: VersionInfo | None, champion: VersionInfo | None, margin:
                                        f"(champion {base:.3f} x (1 + {margin:g}))", cv, pv, sim, base)
     return PromotionDecision(False, f"sim accept length {sim:.3f} < {needed:.3f} "
                                     f"(champion {base:.3f} x (1 + {margin:g}))", cv, pv, sim, base)
-
-
-def maybe_auto_promote(registry: Registry, cfg, actor: str = ACTOR) -> PromotionDecision:
-    """Promote the challenger if ``cfg.ops.auto_promote`` is on and the policy agrees.
-
-    ``cfg`` is the whole TideConfig. Registry failures propagate as RegistryError; the caller (a
-    retrain that already registered its version) decides whether that fails it.
-    """
-    if not cfg.ops.auto_promote:
-        return PromotionDecision(False, "auto-promotion is off (ops.auto_promote)")
-    decision = decide(registry.get_alias(CHALLENGER), registry.get_alias(CHAMPION), cfg.ops.auto_promote_margin)
-    if decision.promote:
-        registry.promote(decision.challenger, actor=actor, reason=decision.reason)
-        log.info("auto-promotion: version %s is champion: %s", decision.challenger, decision.reason)
-    else:
-        log.info("auto-promotion: not promoting: %s", decision.reason)
-    return decision

@@ -58,6 +58,7 @@ class SwapWatcher:
         self.apply_timeout_s = apply_timeout_s  # a swap not served by then is reported not applied
         self.refused: dict[str, str] = {}  # version -> reason (not retried)
         self.previous: tuple[str, Any] | None = None  # (version, drafter handle) served before the last swap
+        self.serving_since_s = time.time()  # when the serving version started serving (its swap)
         # (asked version, (version, handle) serving when asked) of the last swap not applied in time
         self._unapplied: tuple[str, tuple[str, Any]] | None = None
         self._lock = threading.Lock()  # one check at a time (poll loop vs control endpoint)
@@ -113,6 +114,7 @@ class SwapWatcher:
             if not self._wait_applied(version):
                 return self._not_applied(version, (old_version, old), time.perf_counter() - t0)
             self.previous, self._unapplied = (old_version, old), None
+            self.serving_since_s = time.time()
         metrics.OPS_SWAPS.labels("swapped").inc()
         log.info("serving drafter %s (was %s)", version, old_version)
         return SwapOutcome("swapped", version, f"from {old_version}", time.perf_counter() - t0)
@@ -133,6 +135,7 @@ class SwapWatcher:
             if unapplied is None or unapplied[0] != version or self.engine.drafter_version != version:
                 return None
             self.previous, self._unapplied = unapplied[1], None
+            self.serving_since_s = time.time()
         metrics.OPS_SWAPS.labels("swapped").inc()
         log.info("serving drafter %s (was %s; applied after the wait)", version, unapplied[1][0])
         return SwapOutcome("swapped", version, f"from {unapplied[1][0]} (applied after the wait)")

@@ -9,7 +9,8 @@ root. ``Registry`` is one object made of one part per responsibility:
 | --- | --- |
 | ``store.py`` | connection, experiment, artifact root, errors (``RegistryError``, ``UntrustedVersion``) |
 | ``runs.py`` | runs (``RetrainRun``), registering a version, bootstrap, reaping half-registered ones |
-| ``versions.py`` | reading versions and aliases, promote / rollback and the operations they record |
+| ``versions.py`` | reading versions and aliases, promote / rollback |
+| ``ledger.py`` | the alias ledger: numbered operations written ahead of the aliases they move |
 | ``artifacts.py`` | where a version's files may come from, verified download into the local cache |
 
 Every MLflow or storage failure surfaces as ``RegistryError`` naming the tracking URI; a version
@@ -19,14 +20,15 @@ version is refused, the registry is not unreachable).
 from __future__ import annotations
 
 from tide.registry.artifacts import ARTIFACT_PATH, Artifacts, folder_digest, source_problem, tag_problem
+from tide.registry.ledger import AliasState, Ledger
 from tide.registry.runs import DrafterArtifact, RetrainRun, Runs, code_version
 from tide.registry.store import ChecksumError, RegistryError, Store, UntrustedVersion
 from tide.registry.versions import VersionInfo, Versions
 
-__all__ = ["ARTIFACT_PATH", "ChecksumError", "DrafterArtifact", "Registry", "RegistryError", "RetrainRun",
-           "UntrustedVersion", "VersionInfo", "code_version", "folder_digest", "source_problem",
+__all__ = ["ARTIFACT_PATH", "AliasState", "ChecksumError", "DrafterArtifact", "Registry", "RegistryError",
+           "RetrainRun", "UntrustedVersion", "VersionInfo", "code_version", "folder_digest", "source_problem",
            "tag_problem"]
 
 
-class Registry(Runs, Versions, Artifacts, Store):
+class Registry(Runs, Versions, Ledger, Artifacts, Store):
     """Drafter versions of one registered model, plus the experiment their runs live in."""

@@ -1,14 +1,13 @@
 """Drafter versions and their aliases: reading them, moving ``champion``, recording operations.
 
 Aliases say what each version is for: ``champion`` (what engines serve), ``challenger`` (newest
-candidate), ``previous-champion`` (where ``rollback`` goes). ``promote`` and ``rollback`` record
-each operation (who, when, from, to, why) as a tag of the registered model, read back by
-``operations``. A mixin of ``Registry``: ``self.client``, ``self._guard`` and ``self.model_name``
-come from tide/registry/store.py.
+candidate), ``previous-champion`` (where ``rollback`` goes). ``promote`` and ``rollback`` are
+operations of the alias ledger (tide/registry/ledger.py: who, when, from, to, why, numbered by
+generation), applied only by the one alias writer (tide/ops/aliases.py). A mixin of ``Registry``:
+``self.client``, ``self._guard`` and ``self.model_name`` come from tide/registry/store.py.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -16,7 +15,6 @@ from typing import Mapping
 from tide.contracts import (
     CHALLENGER,
     CHAMPION,
-    OP_TAG_PREFIX,
     PREVIOUS_CHAMPION,
     TAG_CHECKSUM,
     TAG_KIND,
@@ -155,55 +153,34 @@ class Versions:
         with self._guard(f"tag version {version}"):
             self.client.set_model_version_tag(self.model_name, str(version), key, str(value))
 
-    def promote(self, version: int, actor: str, reason: str = "") -> tuple[int | None, int]:
+    def promote(self, version: int, actor: str, reason: str = "", **extra) -> tuple[int | None, int]:
         """champion -> ``version``; the old champion becomes previous-champion; a challenger
-        that is promoted loses that alias. Recorded as an operation. Returns (old, new)."""
+        that is promoted loses that alias. One ledger operation (tide/registry/ledger.py); the
+        caller holds the alias lock (tide/ops/aliases.py). Returns (old, new)."""
         info = self.get_version(version)
         if not info.complete:
             raise RegistryError(f"version {version} is not completely registered")
-        current = self.aliases()
-        old = current.get(CHAMPION)
-        if old != version:
-            if old is not None:
-                self.set_alias(PREVIOUS_CHAMPION, old)
-            self.set_alias(CHAMPION, version)
-        if current.get(CHALLENGER) == version:
-            self.delete_alias(CHALLENGER)
-        self._record("promote", actor, old, version, reason)
+        state = self.roll_forward(self.alias_state())
+        old = state.champion
+        aliases = {**state.aliases, CHAMPION: version,
+                   PREVIOUS_CHAMPION: old if old not in (None, version) else state.previous,
+                   CHALLENGER: None if state.challenger == version else state.challenger}
+        self.apply_operation(state, "promote", actor, old, version, aliases, reason, **extra)
         return old, version
 
-    def rollback(self, actor: str, reason: str = "") -> tuple[int, int]:
-        """champion -> previous-champion (which is then cleared, so a rollback is never undone
-        by a second one). Returns (from, to)."""
-        current = self.aliases()
-        target, old = current.get(PREVIOUS_CHAMPION), current.get(CHAMPION)
+    def rollback(self, actor: str, reason: str = "", to: int | None = None, **extra) -> tuple[int | None, int]:
+        """champion -> previous-champion (or ``to``), and previous-champion is cleared, so a
+        rollback is never undone by a second one; the version rolled back from is tagged. One
+        ledger operation; the caller holds the alias lock. Returns (from, to)."""
+        state = self.roll_forward(self.alias_state())
+        target, old = to if to is not None else state.previous, state.champion
         if target is None:
             raise RegistryError("no previous champion to roll back to")
-        self.set_alias(CHAMPION, target)
-        self.delete_alias(PREVIOUS_CHAMPION)
-        if old is not None:
+        aliases = {**state.aliases, CHAMPION: target, PREVIOUS_CHAMPION: None}
+        self.apply_operation(state, "rollback", actor, old, target, aliases, reason, **extra)
+        if old is not None and old != target:
             self.set_version_tag(old, TAG_ROLLED_BACK, reason or "rollback")
-        self._record("rollback", actor, old, target, reason)
         return old, target
-
-    def _record(self, op: str, actor: str, old: int | None, new: int, reason: str) -> None:
-        now = time.time()
-        value = json.dumps({"op": op, "actor": actor, "from": old, "to": new, "reason": reason[:1000],
-                            "at_s": round(now, 3)})
-        with self._guard(f"record {op}"):
-            self.client.set_registered_model_tag(self.model_name, f"{OP_TAG_PREFIX}{int(now * 1e6):017d}", value)
-
-    def operations(self) -> list[dict]:
-        """Recorded promote/rollback operations, oldest first."""
-        from mlflow.exceptions import MlflowException
-        with self._guard("read operations"):
-            try:
-                tags = self.client.get_registered_model(self.model_name).tags
-            except MlflowException as exc:
-                if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
-                    return []
-                raise
-        return [json.loads(tags[k]) for k in sorted(tags) if k.startswith(OP_TAG_PREFIX)]
 
     def delete_version(self, version: int) -> None:
         with self._guard(f"delete version {version}"):

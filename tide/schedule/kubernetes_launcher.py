@@ -18,7 +18,10 @@ the manifest and the status rules are tested without a cluster. The Job:
   folders under TIDE_HOME), and no service-account token (it never calls the Kubernetes API);
 - gets credentials only as ``secretKeyRef`` (``schedule.k8s_secret_env``: NAME -> secret/key), so
   no secret value is in the Job spec, the scheduler's memory or its logs; a plain variable whose
-  name looks like a credential, or a URL with a password, is refused when the launcher starts.
+  name looks like a credential, or a URL with a password, is refused when the launcher starts;
+- reads the dataset table over the network: the scheduler's table URI (``TIDE_INGEST__DATA_DIR``)
+  and the store's non-secret settings (endpoint, region) as plain variables, its keys by Secret
+  reference (``k8s_secret_env``: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``); no volume.
 The Job's name derives from the job id alone, so a launch interrupted before the scheduler saved
 its handle is found again by name.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 from typing import Any, Mapping
 
@@ -48,6 +52,7 @@ RUN_AS = 10001  # the image's user (k8s/Dockerfile)
 # what a retrain writes, each an emptyDir: name -> path ("{home}" = the Job's TIDE_HOME)
 WRITABLE = {"tmp": "/tmp", "work": "{home}/retrain", "registry-cache": "{home}/registry-cache"}
 # a Secret's name (DNS subdomain) / a key in it
+_STORE_ENV = ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ALLOW_HTTP")
 _SECRET_REF = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?)/([-._a-zA-Z0-9]+)")
 
 
@@ -72,15 +77,17 @@ def parse_toleration(text: str):
 
 def job_env(cfg: Any) -> dict[str, str]:
     """Environment for the job's container from the whole TideConfig: bootstrap servers, every
-    section's ``tracking_uri``, the mounted dataset's path, then ``schedule.k8s_env`` on top."""
+    section's ``tracking_uri``, the dataset table's URI and store settings, then ``schedule.k8s_env``."""
     sc = cfg.schedule
     env = {"TIDE_KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers}
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if dataclasses.is_dataclass(section) and getattr(section, "tracking_uri", ""):
             env[f"TIDE_{f.name.upper()}__TRACKING_URI"] = str(section.tracking_uri)
-    if sc.k8s_data_pvc:
-        env["TIDE_INGEST__DATA_DIR"] = sc.k8s_data_mount_path
+    if cfg.ingest.data_dir:
+        env["TIDE_INGEST__DATA_DIR"] = cfg.ingest.data_dir
+    # where the store is (the scheduler's own, from the object-store ConfigMap); keys by Secret only
+    env.update({k: os.environ[k] for k in _STORE_ENV if os.environ.get(k)})
     # where the Job writes, so that its emptyDirs (WRITABLE) are exactly there
     env["TIDE_HOME"] = sc.k8s_tide_home
     env["TIDE_REGISTRY__CACHE_DIR"] = WRITABLE["registry-cache"].format(home=sc.k8s_tide_home)
@@ -149,12 +156,6 @@ def build_job(sc: Any, job_id: str, env: Mapping[str, str]):
         volumes.append(client.V1Volume(name="config", config_map=client.V1ConfigMapVolumeSource(
             name=sc.k8s_config_map)))
         mounts.append(client.V1VolumeMount(name="config", mount_path=CONFIG_MOUNT, read_only=True))
-    if sc.k8s_data_pvc:
-        volumes.append(client.V1Volume(
-            name="dataset", persistent_volume_claim=client.V1PersistentVolumeClaimVolumeSource(
-                claim_name=sc.k8s_data_pvc, read_only=True)))
-        mounts.append(client.V1VolumeMount(name="dataset", mount_path=sc.k8s_data_mount_path,
-                                           read_only=True))
     argv += ["--result-json", RESULT_PATH_IN_POD, "--summary-json", TERMINATION_LOG]
     limits = {"cpu": sc.k8s_cpu, "memory": sc.k8s_memory}
     if sc.k8s_gpu_count > 0:

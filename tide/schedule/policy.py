@@ -1,4 +1,4 @@
-"""When to launch a retrain: pure functions over the state, the dataset index and the clock.
+"""When to launch a retrain: pure functions over the state, the dataset table's log and the clock.
 
 A retrain launches when all hold, checked in this order (the first that fails is the reason):
 1. no retrain is running (single flight);
@@ -8,15 +8,15 @@ A retrain launches when all hold, checked in this order (the first that fails is
 3. the cool-down after the last successful retrain has passed;
 4. at least ``min_new_samples`` samples arrived since the last successful retrain.
 
-"Arrived since" uses the index's ``created_at_s`` (when ingest made the file durable), not the
-capture time: late data still counts, and the watermark comes from the index itself, so the
-scheduler's clock never has to agree with ingest's. A successful retrain moves the watermark to
-the newest ``created_at_s`` it reports to have read (``watermark_after_success``), not to the
-newest at its launch: files sealed while it started up were trained on and are not new again.
+"Arrived since" means committed to the table after the watermark, a table version: the counts
+are the ``tide.counts`` metadata ingest records in each commit (read from the log, never by
+listing or opening data files), so late data still counts and no clock has to agree with
+another. A successful retrain moves the watermark to the table version it reports to have read
+(``watermark_after_success``), not to the newest at its launch: commits made while it started up
+were trained on and are not new again.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -72,33 +72,29 @@ def decide(state: SchedulerState, new_samples: int, now_s: float, cfg: Any) -> D
     return Decision(True, "launch", new_samples)
 
 
-def watermark_of(state: SchedulerState) -> float | None:
-    """Files created after this were not yet seen by a successful retrain (None = all files)."""
-    return state.last_success.watermark_s if state.last_success is not None else None
+def watermark_of(state: SchedulerState) -> int | None:
+    """Table versions after this were not yet read by a successful retrain (None = all of them)."""
+    return state.last_success.watermark_version if state.last_success is not None else None
 
 
-def watermark_after_success(previous_s: float | None, launched_s: float | None,
-                            result: Mapping[str, Any]) -> float | None:
-    """The watermark after a successful retrain: what it reports to have read, never below
-    ``previous_s``; a job that reports nothing keeps the old rule (the newest file at launch)."""
-    read_s = result.get(RESULT_DATA_WATERMARK)
-    if isinstance(read_s, bool) or not isinstance(read_s, (int, float)) or not math.isfinite(read_s):
-        return launched_s
-    return float(read_s) if previous_s is None else max(previous_s, float(read_s))
+def watermark_after_success(previous: int | None, launched: int | None,
+                            result: Mapping[str, Any]) -> int | None:
+    """The watermark after a successful retrain: the table version it reports to have read, never
+    below ``previous``; a job that reports none keeps the version newest at its launch."""
+    read = result.get(RESULT_DATA_WATERMARK)
+    if isinstance(read, bool) or not isinstance(read, int) or read < 0:
+        return launched
+    return read if previous is None else max(previous, read)
 
 
-def count_new_samples(index: Any, watermark_s: float | None, unit: str,
-                      target_model: str = "") -> int:
-    """Samples in files indexed after ``watermark_s``, from the index's totals (no file opened)."""
+def count_new_samples(table: Any, watermark: int | None, unit: str, target_model: str = "") -> int:
+    """Samples committed after table version ``watermark``, from the commits' metadata (the log)."""
     if unit not in SAMPLE_UNITS:
         raise ValueError(f"schedule.sample_unit: {unit!r} is not one of {SAMPLE_UNITS}")
-    summary = index.summary(created_after_s=watermark_s, target_model=target_model or None)
-    return int(summary[unit] or 0)
+    return int(table.counts_since(watermark, target_model or None)[unit])
 
 
-def newest_created_s(index: Any, watermark_s: float | None, target_model: str = "") -> float | None:
-    """The watermark a retrain launched now would advance to: the newest file's ``created_at_s``."""
-    files = index.files(created_after_s=watermark_s, target_model=target_model or None)
-    if not files:
-        return watermark_s
-    return max(f.created_at_s for f in files)
+def newest_version(table: Any, watermark: int | None) -> int | None:
+    """The watermark a retrain launched now would advance to if it reported none: the newest version."""
+    newest = table.version()
+    return watermark if newest is None else newest

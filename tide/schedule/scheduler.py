@@ -9,9 +9,12 @@ One tick, inside the state file's lock (``StateStore.transaction``):
 2. on the first tick of this process, with nothing recorded as running: ask the launcher for jobs
    it can find without the state file (local: processes carrying this state file's marker;
    Kubernetes: Jobs with our labels) and adopt one, so even a lost state file does not double-run;
-3. count new samples from the dataset index, apply the policy, and launch when it says so.
+3. count new samples from the dataset table's log (commit metadata after the watermark version),
+   apply the policy, and launch when it says so.
 APScheduler runs ticks with ``max_instances=1, coalesce=True`` on one worker thread, so ticks never
-overlap and a slow tick does not queue a burst. APScheduler's own job stores would persist the
+overlap and a slow tick does not queue a burst. The dataset's maintenance (retention DELETE +
+VACUUM, compaction: tide/dataset/retention.py), when given, runs as a second job on its own thread
+every ``maintenance_interval_s``: one scheduler replica does it, never the ingest replicas. APScheduler's own job stores would persist the
 schedule, not which retrain runs; the lease is the state file, so the in-memory store suffices.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ from tide.schedule.policy import (
     check_config,
     count_new_samples,
     decide,
-    newest_created_s,
+    newest_version,
     watermark_after_success,
     watermark_of,
 )
@@ -47,15 +50,18 @@ _K8S_DEADLINE_MARGIN_S = 120.0
 
 
 class RetrainScheduler:
-    def __init__(self, cfg: Any, index: Any, store: StateStore, launcher: Launcher,
-                 clock: Callable[[], float] = time.time) -> None:
-        """``cfg`` is the ScheduleConfig; ``index`` a DatasetIndex (only summary/files are used)."""
+    def __init__(self, cfg: Any, table: Any, store: StateStore, launcher: Launcher,
+                 clock: Callable[[], float] = time.time, maintenance: Callable[[], Any] | None = None,
+                 maintenance_interval_s: float = 300.0) -> None:
+        """``cfg`` is the ScheduleConfig; ``table`` a DatasetTable (only version/counts_since are used)."""
         check_config(cfg)
         self.cfg = cfg
-        self.index = index
+        self.table = table
         self.store = store
         self.launcher = launcher
         self.clock = clock
+        self.maintenance = maintenance
+        self.maintenance_interval_s = maintenance_interval_s
         self.jobs_dir = store.path.parent / "jobs"
         self._orphans_checked = False
         self._aps = None
@@ -80,7 +86,7 @@ class RetrainScheduler:
             elif not self._orphans_checked:
                 self._adopt_orphans(state, now)
             watermark = watermark_of(state)
-            new = count_new_samples(self.index, watermark, self.cfg.sample_unit,
+            new = count_new_samples(self.table, watermark, self.cfg.sample_unit,
                                     self.cfg.target_model)
             decision = decide(state, new, now, self.cfg)
             if decision.launch:
@@ -99,6 +105,12 @@ class RetrainScheduler:
             with self._snapshot_lock:
                 self._snapshot.update(last_error=f"{type(exc).__name__}: {exc}",
                                       last_tick_s=self.clock())
+
+    def _safe_maintenance(self) -> None:
+        try:
+            log.info("dataset maintenance: %s", self.maintenance())
+        except Exception:  # noqa: BLE001 - tried again next interval
+            log.exception("dataset maintenance failed; trying again in %.0f s", self.maintenance_interval_s)
 
     def _check_running(self, state: SchedulerState, now: float) -> None:
         job = state.running
@@ -130,8 +142,8 @@ class RetrainScheduler:
         job = state.running
         assert job is not None
         result = outcome.result or {}
-        watermark = (watermark_after_success(watermark_of(state), job.watermark_s, result)
-                     if outcome.succeeded else job.watermark_s)
+        watermark = (watermark_after_success(watermark_of(state), job.watermark_version, result)
+                     if outcome.succeeded else job.watermark_version)
         record = FinishedJob(
             job.job_id, job.launcher, job.started_at_s, now, outcome.status, outcome.reason,
             watermark, job.new_samples, outcome.exit_code,
@@ -160,7 +172,7 @@ class RetrainScheduler:
         margin = _K8S_DEADLINE_MARGIN_S if self.launcher.kind == "kubernetes" else 0.0
         state.running = RunningJob(
             job_id, self.launcher.kind, now, now + self.cfg.job_timeout_s + margin,
-            newest_created_s(self.index, watermark, self.cfg.target_model), new)
+            newest_version(self.table, watermark), new)
         state.launched_total += 1
         self.store.checkpoint(state)  # the intent survives a crash during launch
         spec = JobSpec(job_id, self.jobs_dir / f"{job_id}.result.json",
@@ -222,11 +234,16 @@ class RetrainScheduler:
         from apscheduler.schedulers.background import BackgroundScheduler
         from apscheduler.triggers.interval import IntervalTrigger
 
-        self._aps = BackgroundScheduler(executors={"default": ThreadPoolExecutor(1)},
+        self._aps = BackgroundScheduler(executors={"default": ThreadPoolExecutor(1),
+                                                   "maintenance": ThreadPoolExecutor(1)},
                                         timezone=timezone.utc)
         self._aps.add_job(self.safe_tick, IntervalTrigger(seconds=self.cfg.interval_s),
                           id="retrain-policy", max_instances=1, coalesce=True,
                           misfire_grace_time=None, next_run_time=datetime.now(timezone.utc))
+        if self.maintenance is not None:
+            self._aps.add_job(self._safe_maintenance, IntervalTrigger(seconds=self.maintenance_interval_s),
+                              id="dataset-maintenance", executor="maintenance", max_instances=1,
+                              coalesce=True, misfire_grace_time=None)
         self._aps.start()
 
     def stop(self, cancel_running: bool = False) -> None:

@@ -1,7 +1,7 @@
 """The scheduler's persistent state and lease: one JSON file guarded by an fcntl lock.
 
 The file says which retrain runs (its launcher handle), when the last one succeeded and up to which
-dataset watermark, and the failure streak that drives backoff. Single flight rests on two rules:
+dataset table version (the watermark), and the failure streak that drives backoff. Single flight rests on two rules:
 1. every read-decide-launch-write happens inside ``transaction()``, which holds an exclusive
    ``flock`` on ``<state>.lock``: two scheduler processes (a restart overlapping the old one, two
    replicas) serialise, and the second sees the first's running job;
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: watermarks were index times (read as none: everything counts once)
 
 
 class StateError(RuntimeError):
@@ -34,9 +34,9 @@ class RunningJob:
     launcher: str
     started_at_s: float
     deadline_s: float
-    # created_at_s of the newest indexed file at launch: where the watermark moves if this job
-    # succeeds without reporting what it read (None = the whole dataset)
-    watermark_s: float | None
+    # the newest table version at launch: where the watermark moves if this job succeeds without
+    # reporting what it read (None = no table yet)
+    watermark_version: int | None
     new_samples: int
     handle: dict | None = None  # None = launch in progress (or interrupted)
 
@@ -49,8 +49,8 @@ class FinishedJob:
     finished_at_s: float
     status: str  # succeeded | failed | timed_out
     reason: str
-    # a success: the data watermark after it (the newest created_at_s the job read); else as launched
-    watermark_s: float | None = None
+    # a success: the watermark after it (the table version the job read); else as launched
+    watermark_version: int | None = None
     new_samples: int = 0
     exit_code: int | None = None
     version: str | None = None
@@ -71,16 +71,23 @@ class SchedulerState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "SchedulerState":
-        if data.get("version") != STATE_VERSION:
+        if data.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"state version {data.get('version')!r}, expected {STATE_VERSION}")
-        running = data.get("running")
-        last = data.get("last_success")
+        running = _v2(data.get("running"))
+        last = _v2(data.get("last_success"))
         return cls(running=RunningJob(**running) if running else None,
                    last_success=FinishedJob(**last) if last else None,
                    consecutive_failures=int(data.get("consecutive_failures", 0)),
                    last_failure_at_s=data.get("last_failure_at_s"),
                    launched_total=int(data.get("launched_total", 0)),
-                   history=[FinishedJob(**h) for h in data.get("history", [])])
+                   history=[FinishedJob(**_v2(h)) for h in data.get("history", [])])
+
+
+def _v2(job: dict | None) -> dict | None:
+    """A version-1 job record: its index-time watermark means nothing to the table's log."""
+    if job is None or "watermark_s" not in job:
+        return job
+    return {**{k: v for k, v in job.items() if k != "watermark_s"}, "watermark_version": None}
 
 
 def _fsync_dir(path: Path) -> None:

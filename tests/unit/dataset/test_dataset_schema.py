@@ -1,11 +1,21 @@
-"""The Parquet schema file matches the code; rows round-trip through Parquet."""
+"""The schema file matches the code; rows round-trip through Parquet; partitions are date/hour."""
 import json
 from importlib import resources
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from tide.dataset.schema import PARQUET_SCHEMA, FileName, Row, partition_dir, row_to_record, rows_to_table
+from tide.dataset.schema import (
+    PARQUET_SCHEMA,
+    PARTITION_COLUMNS,
+    TABLE_SCHEMA,
+    Row,
+    partition_path,
+    partition_start_s,
+    partition_values,
+    row_to_record,
+    rows_to_table,
+)
 
 SCHEMA_FILE = resources.files("tide.schemas").joinpath("parquet.schema.json")  # package data: schemas/
 
@@ -14,6 +24,8 @@ def test_schema_file_matches_code():
     doc = json.loads(SCHEMA_FILE.read_text())
     assert [(f["name"], f["type"]) for f in doc["fields"]] == \
         [(f.name, str(f.type)) for f in PARQUET_SCHEMA]
+    assert [(f["name"], f["type"]) for f in doc["partition_columns"]] == \
+        [(name, str(TABLE_SCHEMA.field(name).type)) for name in PARTITION_COLUMNS]
 
 
 def test_rows_round_trip_through_parquet(tmp_path, helpers):
@@ -30,10 +42,8 @@ def test_rows_round_trip_through_parquet(tmp_path, helpers):
         assert np.array_equal(back.loss_mask, rec.loss_mask)
 
 
-def test_file_names_and_partition_dirs():
-    name = FileName("tide.hidden-states", 2, 17, 4096, FileName.tag_for("r1", 0, 123))
-    assert FileName.parse(str(name)) == name
-    assert FileName.tag_for("r1", 0, 123) != FileName.tag_for("r2", 0, 123)
-    assert FileName.parse(".abc.tmp") is None
-    assert partition_dir("HuggingFaceTB/SmolLM2", 0.0) == \
-        "target_model=HuggingFaceTB%2FSmolLM2/date=1970-01-01/hour=00"
+def test_partitions_are_the_utc_date_and_hour_of_the_capture():
+    values = partition_values(1_700_000_000.0 + 0.5)  # 2023-11-14 22:13:20 UTC
+    assert values == {"date": "2023-11-14", "hour": "22"}
+    assert partition_path(values) == "date=2023-11-14/hour=22"
+    assert partition_start_s(values) == 1_699_999_200.0 and partition_values(0.0) == {"date": "1970-01-01", "hour": "0"}

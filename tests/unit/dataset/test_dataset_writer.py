@@ -1,40 +1,56 @@
-"""Sealed files appear atomically under their offset-range name; temporaries never show."""
+"""Data files stream row groups into the table folder and stay invisible until committed; a
+discarded or uncommitted file holds user data and is removed (discard now, VACUUM later)."""
 import pyarrow.parquet as pq
 
-from tide.dataset.schema import FileName, Row, list_files, partition_dir
-from tide.dataset.writer import OpenFile, remove_temporaries
+from tide.dataset.location import Location
+from tide.dataset.reader import DatasetReader
+from tide.dataset.retention import vacuum
+from tide.dataset.schema import Row, partition_values
+from tide.dataset.table import DatasetTable
+from tide.dataset.tombstones import Tombstones
+from tide.dataset.writer import DataFileWriter
+
+T0 = 1_700_000_000.0
 
 
-def test_rows_stream_into_a_hidden_temporary_then_rename(tmp_path, helpers):
-    rel = partition_dir("org/m", 1_700_000_000.0)
-    f = OpenFile(tmp_path, rel, "t", 1, row_group_rows=2, row_group_bytes=1 << 30)
+def _writer(tmp_path, row_group_rows=2):
+    table = DatasetTable(tmp_path)
+    table.ensure()
+    return table, DataFileWriter(Location.from_uri(tmp_path), partition_values(T0), row_group_rows, 1 << 30)
+
+
+def test_rows_stream_into_an_uncommitted_file_then_commit(tmp_path, helpers):
+    table, f = _writer(tmp_path)
     for i in range(5):
         f.add(Row(helpers.make_record(f"r{i}", seed=i), "t", 1, 10 + i, 0, 0.0))
-    # two row groups already written, but only to a dot-prefixed temporary
-    assert list_files(tmp_path) == []
-    temporaries = list((tmp_path / rel).glob(".*.tmp"))
-    assert len(temporaries) == 1 and temporaries[0].stat().st_size > 0
-    stats = f.seal(created_at_s=1.0)
-    tag = FileName.tag_for("r0", 0, 0)
-    assert [p.name for p in list_files(tmp_path)] == [
-        f"t-p1-00000000000000000010-00000000000000000014-{tag}.parquet"]
-    assert not list((tmp_path / rel).glob(".*.tmp"))
-    meta = pq.ParquetFile(tmp_path / stats.path).metadata
-    assert meta.num_rows == 5 and meta.num_row_groups == 3
-    assert (stats.rows, stats.requests, stats.tokens, stats.generated_tokens) == (5, 5, 60, 40)
+    # two row groups already written, but no reader sees the file before its commit
+    written = list((tmp_path / "date=2023-11-14" / "hour=22").glob("part-*.parquet"))
+    assert len(written) == 1 and written[0].stat().st_size > 0
+    assert table.data_files() == [] and list(DatasetReader(tmp_path).samples()) == []
+    out = f.finish()
+    assert pq.ParquetFile(written[0]).metadata.num_row_groups == 3
+    table.append([out.add], out.counts)
+    (only,) = table.data_files()
+    assert only.path == out.add.path and only.rows == 5 and (only.min_time_s, only.max_time_s) == (T0, T0)
+    assert out.counts == {"org/m": {"rows": 5, "requests": 5, "tokens": 60, "generated_tokens": 40}}
 
 
-def test_leftover_temporaries_are_removed(tmp_path, helpers):
-    rel = partition_dir("org/m", 1_700_000_000.0)
-    f = OpenFile(tmp_path, rel, "t", 0, row_group_rows=1, row_group_bytes=1 << 30)
-    f.add(Row(helpers.make_record("r"), "t", 0, 0, 0, 0.0))  # "crash" before seal
-    assert remove_temporaries(tmp_path) == 1
-    assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))
-
-
-def test_discard_removes_the_temporary(tmp_path, helpers):
-    rel = partition_dir("org/m", 1_700_000_000.0)
-    f = OpenFile(tmp_path, rel, "t", 0, row_group_rows=1, row_group_bytes=1 << 30)
+def test_discard_removes_the_file(tmp_path, helpers):
+    _, f = _writer(tmp_path, row_group_rows=1)
     f.add(Row(helpers.make_record("r"), "t", 0, 0, 0, 0.0))
     f.discard()
-    assert not list((tmp_path / rel).iterdir())
+    assert not list(tmp_path.rglob("part-*.parquet"))
+
+
+def test_vacuum_removes_a_file_a_crash_left_uncommitted(tmp_path, helpers):
+    table, f = _writer(tmp_path, row_group_rows=1)
+    f.add(Row(helpers.make_record("r"), "t", 0, 0, 0, 0.0))
+    f.finish()  # "crash" before the commit: the file exists, the log does not name it
+    helpers.write_file(tmp_path, [helpers.make_record("kept")], first_offset=1)
+    assert len(list(tmp_path.rglob("part-*.parquet"))) == 2
+    tombstones = Tombstones(table.location)
+    tombstones.add(["deleted-before"])
+    vacuum(table, retention_hours=0)
+    assert len(list(tmp_path.rglob("part-*.parquet"))) == 2  # the second is the tombstones' file
+    assert [s.request_id for s in DatasetReader(tmp_path).samples()] == ["kept"]
+    assert Tombstones(table.location).ids() == {"deleted-before"}  # VACUUM leaves them alone

@@ -1,4 +1,4 @@
-"""Scheduler test helpers: the retrain stub command and a real dataset index to fill."""
+"""Scheduler test helpers: the retrain stub command and a real dataset table to fill."""
 import json
 import sys
 import time
@@ -9,8 +9,7 @@ from stubs import retrain_stub
 from stubs.retrain_stub import kill_stubs
 
 from tide.config import ScheduleConfig
-from tide.dataset.index import DatasetIndex
-from tide.dataset.writer import FileStats
+from tide.dataset.table import DatasetTable
 
 STUB = Path(retrain_stub.__file__)  # run as a script: the scheduler launches a command line
 
@@ -21,12 +20,11 @@ class Kit:
         self.launches = tmp_path / "launches.jsonl"
         self.control = tmp_path / "control.json"
         self.state_path = tmp_path / "sched" / "state.json"
-        self.index = DatasetIndex(tmp_path / "dataset")
-        self._n = 0
+        self.table = DatasetTable(tmp_path / "dataset")
 
     def command(self) -> tuple[str, ...]:
         return (sys.executable, str(STUB), "--launches", str(self.launches),
-                "--control", str(self.control), "--data-dir", str(self.index.data_dir))
+                "--control", str(self.control), "--data-dir", self.table.uri)
 
     def set_control(self, mode: str, sleep_s: float = 0.0, gate: str | None = None) -> Path | None:
         """What the next launches do; with ``gate`` (a folder name), they read the dataset when the
@@ -44,18 +42,12 @@ class Kit:
             return []
         return [json.loads(line) for line in self.launches.read_text().splitlines()]
 
-    def add_file(self, tokens: int, created_at_s: float | None = None, model: str = "org/m",
-                 rows: int = 4, requests: int = 2) -> FileStats:
-        """One index entry as ingest adds it (no Parquet content is read by the scheduler)."""
-        self._n += 1
-        stats = FileStats(path=f"f{self._n}.parquet", target_model=model, topic="t", partition=0,
-                          first_offset=self._n * 100, last_offset=self._n * 100 + rows - 1,
-                          rows=rows, requests=requests, tokens=tokens,
-                          generated_tokens=tokens // 2, min_time_s=1.0, max_time_s=2.0,
-                          bytes=1000, created_at_s=time.time() if created_at_s is None
-                          else created_at_s)
-        self.index.add(stats, [f"r{self._n}-{i}" for i in range(requests)])
-        return stats
+    def add_file(self, tokens: int, model: str = "org/m", rows: int = 4, requests: int = 2) -> int:
+        """One ingest commit as the scheduler sees it (its counts in the log; the scheduler opens no
+        data file); returns the table version it made."""
+        self.table.ensure()
+        return self.table.append([], {model: {"rows": rows, "requests": requests, "tokens": tokens,
+                                              "generated_tokens": tokens // 2}})
 
     def config(self, **overrides) -> ScheduleConfig:
         base = dict(interval_s=0.2, min_new_samples=100, cooldown_s=0.0, job_timeout_s=30.0,
@@ -69,7 +61,6 @@ class Kit:
 def kit(tmp_path):
     k = Kit(tmp_path)
     yield k
-    k.index.close()
     kill_stubs(k.launched(), k.state_path)
 
 

@@ -24,7 +24,7 @@ def _sc(**kw) -> ScheduleConfig:
                 k8s_node_selector={"pool": "training"},
                 k8s_tolerations=("gpu=true:NoSchedule", "dedicated:NoExecute"),
                 k8s_gpu_resource="amd.com/gpu", k8s_gpu_count=2, k8s_cpu="8", k8s_memory="64Gi",
-                k8s_config_map="tide-config", k8s_data_pvc="tide-dataset",
+                k8s_config_map="tide-config",
                 job_timeout_s=5400.0, k8s_ttl_after_finished_s=600,
                 k8s_service_account="tide-trainer")
     base.update(kw)
@@ -72,16 +72,15 @@ def test_container_command_resources_env_and_volumes():
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env == {"MLFLOW": "x", "TIDE_RETRAIN_JOB_ID": "20250101-120000-abc123"}
     mounts = {v["name"]: v for v in c["volumeMounts"]}
-    assert mounts["config"]["mountPath"] == "/etc/tide" and mounts["dataset"]["readOnly"]
+    assert mounts["config"]["mountPath"] == "/etc/tide" and "dataset" not in mounts  # read over S3
     vols = {v["name"]: v for v in _manifest(_sc())["spec"]["template"]["spec"]["volumes"]}
     assert vols["config"]["configMap"]["name"] == "tide-config"
-    assert vols["dataset"]["persistentVolumeClaim"] == {"claimName": "tide-dataset",
-                                                        "readOnly": True}
+    assert not [v for v in vols.values() if "persistentVolumeClaim" in v]
 
 
 def test_cpu_only_job_has_no_gpu_and_no_optional_fields():
     m = _manifest(_sc(k8s_gpu_count=0, k8s_gpu_resource="nvidia.com/gpu", k8s_config_map="",
-                      k8s_data_pvc="", k8s_node_selector={}, k8s_tolerations=(),
+                      k8s_node_selector={}, k8s_tolerations=(),
                       k8s_service_account=""))
     pod = m["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"cpu": "8", "memory": "64Gi"}
@@ -91,14 +90,18 @@ def test_cpu_only_job_has_no_gpu_and_no_optional_fields():
     assert "--config" not in pod["containers"][0]["command"]
 
 
-def test_job_env_carries_bootstrap_servers_dataset_and_overrides():
+def test_job_env_carries_bootstrap_servers_dataset_and_overrides(monkeypatch):
     cfg = load_config(env={}, overrides={
-        "kafka": {"bootstrap_servers": "kafka:9092"},
-        "schedule": {"k8s_data_pvc": "ds", "k8s_env": {"TIDE_HOME": "/cache", "A": "1"}}})
+        "kafka": {"bootstrap_servers": "kafka:9092"}, "ingest": {"data_dir": "s3://bucket/dataset"},
+        "schedule": {"k8s_env": {"TIDE_HOME": "/cache", "A": "1"}}})
+    # the store's address as the scheduler has it (the object-store ConfigMap); never its keys
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.internal")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "never-copied")
     env = job_env(cfg)
     assert env["TIDE_KAFKA__BOOTSTRAP_SERVERS"] == "kafka:9092"
     assert load_config(env=env).kafka.bootstrap_servers == "kafka:9092"  # a name config reads
-    assert env["TIDE_INGEST__DATA_DIR"] == "/data/dataset"
+    assert env["TIDE_INGEST__DATA_DIR"] == "s3://bucket/dataset"
+    assert env["AWS_ENDPOINT_URL"] == "https://s3.internal" and "AWS_SECRET_ACCESS_KEY" not in env
     assert env["TIDE_HOME"] == "/cache" and env["A"] == "1"
 
 

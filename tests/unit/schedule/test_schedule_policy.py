@@ -6,16 +6,16 @@ from tide.schedule.policy import (
     backoff_delay_s,
     count_new_samples,
     decide,
-    newest_created_s,
+    newest_version,
     watermark_after_success,
     watermark_of,
 )
 from tide.schedule.state import FinishedJob, RunningJob, SchedulerState
 
 
-def _success(finished_at_s: float, watermark_s: float | None = None) -> FinishedJob:
+def _success(finished_at_s: float, watermark_version: int | None = None) -> FinishedJob:
     return FinishedJob("j1", "local", finished_at_s - 10, finished_at_s, "succeeded", "exit 0",
-                       watermark_s)
+                       watermark_version)
 
 
 def test_backoff_doubles_from_base_and_is_capped():
@@ -53,38 +53,38 @@ def test_backoff_after_failures_then_retry(kit):
     assert decide(state, 10**6, 1040.0, cfg).launch  # never blocked for good
 
 
-def test_count_uses_index_totals_after_the_watermark(kit):
-    kit.add_file(tokens=40, created_at_s=100.0)
-    kit.add_file(tokens=50, created_at_s=200.0)
-    kit.add_file(tokens=70, created_at_s=300.0, model="org/other")
-    assert count_new_samples(kit.index, None, "tokens") == 160
-    assert count_new_samples(kit.index, 100.0, "tokens") == 120  # strictly after the watermark
-    assert count_new_samples(kit.index, 100.0, "tokens", "org/m") == 50
-    assert count_new_samples(kit.index, 300.0, "tokens") == 0
-    assert count_new_samples(kit.index, None, "rows") == 12
-    assert count_new_samples(kit.index, None, "requests") == 6
-    assert count_new_samples(kit.index, None, "generated_tokens") == 80
+def test_count_uses_the_commit_counts_after_the_watermark_version(kit):
+    assert kit.add_file(tokens=40) == 1  # version 0 created the table
+    kit.add_file(tokens=50)
+    kit.add_file(tokens=70, model="org/other")
+    assert count_new_samples(kit.table, None, "tokens") == 160
+    assert count_new_samples(kit.table, 1, "tokens") == 120  # strictly after the watermark
+    assert count_new_samples(kit.table, 1, "tokens", "org/m") == 50
+    assert count_new_samples(kit.table, 3, "tokens") == 0
+    assert count_new_samples(kit.table, None, "rows") == 12
+    assert count_new_samples(kit.table, None, "requests") == 6
+    assert count_new_samples(kit.table, None, "generated_tokens") == 80
     with pytest.raises(ValueError, match="sample_unit"):
-        count_new_samples(kit.index, None, "bytes")
+        count_new_samples(kit.table, None, "bytes")
 
 
-def test_watermark_advances_to_newest_indexed_file(kit):
-    assert newest_created_s(kit.index, None) is None
-    kit.add_file(tokens=10, created_at_s=100.0)
-    kit.add_file(tokens=10, created_at_s=250.0)
-    assert newest_created_s(kit.index, None) == 250.0
-    assert newest_created_s(kit.index, 250.0) == 250.0  # nothing newer: unchanged
+def test_watermark_advances_to_the_newest_version(kit):
+    assert newest_version(kit.table, None) is None  # no table yet
+    kit.add_file(tokens=10)
+    kit.add_file(tokens=10)
+    assert newest_version(kit.table, None) == 2
+    assert newest_version(kit.table, 2) == 2
     assert watermark_of(SchedulerState()) is None
-    assert watermark_of(SchedulerState(last_success=_success(5.0, watermark_s=250.0))) == 250.0
+    assert watermark_of(SchedulerState(last_success=_success(5.0, watermark_version=2))) == 2
 
 
 def test_watermark_after_success_is_what_the_job_read():
-    assert watermark_after_success(10.0, 20.0, {RESULT_DATA_WATERMARK: 35.0}) == 35.0  # read after launch
-    assert watermark_after_success(None, 20.0, {RESULT_DATA_WATERMARK: 35.0}) == 35.0
-    assert watermark_after_success(40.0, 40.0, {RESULT_DATA_WATERMARK: 30.0}) == 40.0  # never backwards
-    for silent in ({}, {RESULT_DATA_WATERMARK: None}, {RESULT_DATA_WATERMARK: "x"},
-                   {RESULT_DATA_WATERMARK: float("nan")}, {RESULT_DATA_WATERMARK: True}):
-        assert watermark_after_success(10.0, 20.0, silent) == 20.0  # no report: the newest file at launch
+    assert watermark_after_success(10, 20, {RESULT_DATA_WATERMARK: 35}) == 35  # read after launch
+    assert watermark_after_success(None, 20, {RESULT_DATA_WATERMARK: 35}) == 35
+    assert watermark_after_success(40, 40, {RESULT_DATA_WATERMARK: 30}) == 40  # never backwards
+    for silent in ({}, {RESULT_DATA_WATERMARK: None}, {RESULT_DATA_WATERMARK: "x"}, {RESULT_DATA_WATERMARK: 3.5},
+                   {RESULT_DATA_WATERMARK: -1}, {RESULT_DATA_WATERMARK: True}):
+        assert watermark_after_success(10, 20, silent) == 20  # no report: the newest version at launch
 
 
 def test_bad_config_is_named(kit):

@@ -17,7 +17,7 @@ class Clock:
 def _scheduler(kit, clock, **cfg):
     sc = kit.config(**cfg)
     launcher = LocalLauncher(sc.command, None, kit.state_path, kill_grace_s=sc.kill_grace_s)
-    return RetrainScheduler(sc, kit.index, StateStore(kit.state_path), launcher, clock=clock)
+    return RetrainScheduler(sc, kit.table, StateStore(kit.state_path), launcher, clock=clock)
 
 
 def _run_to_end(sched, until):
@@ -29,21 +29,21 @@ def test_threshold_single_flight_and_watermark(kit, until):
     clock = Clock()
     sched = _scheduler(kit, clock, min_new_samples=100)
     gate = kit.set_control("ok", gate="gate")
-    kit.add_file(tokens=60, created_at_s=10.0)
+    kit.add_file(tokens=60)
     assert sched.tick().reason == "not_enough"
     assert kit.launched() == [] and sched.store.load().running is None
-    kit.add_file(tokens=60, created_at_s=20.0)
+    kit.add_file(tokens=60)
     d = sched.tick()
     assert d.launch and d.new_samples == 120
     assert sched.tick().reason == "running"  # a second trigger while it runs: no second job
     (gate / "read").touch()
     until(lambda: (gate / "was_read").exists(), what="the job's read")
-    kit.add_file(tokens=500, created_at_s=30.0)  # arrives during the retrain, after its read
+    kit.add_file(tokens=500)  # arrives during the retrain, after its read
     (gate / "finish").touch()
     state = _run_to_end(sched, until)
     assert len(kit.launched()) == 1
     assert state.last_success.status == "succeeded" and state.last_success.version == "7"
-    assert state.last_success.watermark_s == 20.0  # the newest file the job read
+    assert state.last_success.watermark_version == 2  # the version the job read
     ok, health = sched.health()
     assert ok and health["last_success_job"] == state.last_success.job_id
     assert sched.tick().new_samples == 500  # only what came after the launch counts
@@ -198,28 +198,28 @@ def test_a_cancel_that_fails_leaves_the_retrain_recorded_for_the_next_scheduler(
 
 
 def test_watermark_follows_what_the_retrain_read(kit, until):
-    """Files sealed between a retrain's launch and its read of the dataset are trained on: the
+    """Commits between a retrain's launch and its read of the table are trained on: the
     next trigger counts only what the finished retrain did not read. A failed retrain leaves the
     watermark where it was."""
     clock = Clock()
     sched = _scheduler(kit, clock, min_new_samples=100)
-    kit.add_file(tokens=120, created_at_s=10.0)
+    kit.add_file(tokens=120)
     gate = kit.set_control("ok", gate="first")
     assert sched.tick().launch
-    kit.add_file(tokens=200, created_at_s=20.0)  # sealed after the launch, before the job reads
+    kit.add_file(tokens=200)  # sealed after the launch, before the job reads
     (gate / "read").touch()
     until(lambda: (gate / "was_read").exists(), what="the job's read")
-    kit.add_file(tokens=30, created_at_s=30.0)  # sealed after the read, while the job runs
+    kit.add_file(tokens=30)  # sealed after the read, while the job runs
     (gate / "finish").touch()
     state = _run_to_end(sched, until)
-    assert state.last_success.watermark_s == 20.0
+    assert state.last_success.watermark_version == 2
     assert sched.tick().new_samples == 30  # the 200 tokens it read are not new again
 
-    kit.add_file(tokens=400, created_at_s=40.0)
+    kit.add_file(tokens=400)
     gate = kit.set_control("fail", gate="second")
     assert sched.tick().launch
     (gate / "read").touch()
     (gate / "finish").touch()
     state = _run_to_end(sched, until)
-    assert state.history[-1].status == "failed" and state.last_success.watermark_s == 20.0
+    assert state.history[-1].status == "failed" and state.last_success.watermark_version == 2
     assert sched.tick().new_samples == 430  # all it read is still new

@@ -14,17 +14,26 @@ def test_round_trip_keeps_everything(tmp_path):
     store = StateStore(tmp_path / "s" / "state.json")
     assert store.load() == SchedulerState()  # no file yet: a fresh state
     with store.transaction() as state:
-        state.running = RunningJob("j2", "local", 10.0, 40.0, 5.5, 123, {"pid": 42, "pgid": 42})
-        state.last_success = FinishedJob("j1", "local", 1.0, 2.0, "succeeded", "exit 0", 5.5, 99,
+        state.running = RunningJob("j2", "local", 10.0, 40.0, 5, 123, {"pid": 42, "pgid": 42})
+        state.last_success = FinishedJob("j1", "local", 1.0, 2.0, "succeeded", "exit 0", 5, 99,
                                          0, "7", "run-1")
         state.history = [state.last_success]
         state.consecutive_failures, state.last_failure_at_s, state.launched_total = 2, 3.0, 2
     loaded = store.load()
     assert loaded.running.handle == {"pid": 42, "pgid": 42}
-    assert loaded.last_success.version == "7" and loaded.last_success.watermark_s == 5.5
+    assert loaded.last_success.version == "7" and loaded.last_success.watermark_version == 5
     assert (loaded.consecutive_failures, loaded.last_failure_at_s, loaded.launched_total) == (2, 3.0, 2)
     assert loaded.history == [loaded.last_success]
     assert list(store.path.parent.glob(".*.tmp")) == []  # no temporary left behind
+
+
+def test_a_version_1_file_loads_with_no_watermark(tmp_path):
+    # its watermarks were dataset-index times: meaningless to the table's log, so everything counts once
+    job = {"job_id": "j1", "launcher": "local", "started_at_s": 1.0, "finished_at_s": 2.0, "status": "succeeded",
+           "reason": "exit 0", "watermark_s": 123.5, "new_samples": 9}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "last_success": job, "history": [job]}))
+    loaded = StateStore(tmp_path / "state.json").load()
+    assert loaded.last_success.watermark_version is None and loaded.history[0].job_id == "j1"
 
 
 def test_saves_even_when_the_body_raises(tmp_path):
