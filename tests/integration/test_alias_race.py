@@ -67,7 +67,9 @@ def drafter(tmp_path_factory):
 def _config(tmp_path: Path, uri: str, owner_url: str | None, name: str) -> Path:
     cfg = {"home": str(tmp_path / "home"),
            "server": {"control_token": TOKEN},
-           "registry": {"tracking_uri": uri, "registered_model_name": name,
+           # the race is about ordering, not the registry's latency: on a loaded machine one MLflow
+           # (SQLite) behind 4 busy writers can take over the default 10 s to answer a read
+           "registry": {"tracking_uri": uri, "registered_model_name": name, "http_timeout_s": 120,
                         "artifact_location": "mlflow-artifacts:/race", "cache_dir": str(tmp_path / "cache")},
            "ops": {"auto_promote": True, "auto_promote_margin": 0.05, "alias_lock_path": str(tmp_path / "alias.lock"),
                    **({"alias_owner_url": owner_url} if owner_url else {})}}
