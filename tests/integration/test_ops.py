@@ -419,8 +419,10 @@ def test_collapse_with_no_previous_champion_alerts_and_keeps_serving(make_stack,
     # a floor no drafter reaches: the first champion "collapses" but there is nothing to go back
     # to (the drafter configured before the registry was reached does not count)
     s = make_stack(guard_enabled=True, guard_interval_s=0.1, guard_window_forwards=60, guard_floor=5.0)
-    s.traffic()
-    wait(lambda: REGISTRY.get_sample_value("tide_ops_collapse_alert") == 1, 10, what="the collapse alert")
+    # judged only once it serves drafter 1: traffic served by the configured drafter is not its window
+    wait(lambda: s.serving() == "1", 60, what="the follower to bootstrap drafter 1")
+    s.traffic()  # ~300 forwards: 5 guard windows
+    wait(lambda: REGISTRY.get_sample_value("tide_ops_collapse_alert") == 1, 30, what="the collapse alert")
     assert s.serving() == "1" and s.registry.aliases() == {CHAMPION: 1} and s.registry.operations() == []
     assert s.control("GET", "health").json()["ops"]["refused"] == {}
 
