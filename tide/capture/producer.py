@@ -15,14 +15,19 @@ Loop steps (one background thread of the worker):
 5. a producer that cannot bootstrap is retried every ``reconnect_backoff_s``: capture resumes by
    itself when the broker returns.
 ``close`` drains the queue, sends what completed, and flushes within the time limit.
+With ``ACK_LOG_ENV`` set, every chunk the broker acknowledged is also appended to a file there
+(``AckLog``): what an audit (or the chaos test) compares with the dataset's rows.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
+from pathlib import Path
 from typing import Any, Callable
 
 from tide import metrics
@@ -33,6 +38,8 @@ from tide.records import RecordError, encode, split
 log = logging.getLogger(__name__)
 
 _DISCARDED_MEMORY = 4096  # abandoned request ids remembered to ignore their straggling steps
+# a folder: each worker appends one JSON line per acknowledged chunk to acks-<pid>.jsonl there
+ACK_LOG_ENV = "TIDE_CAPTURE_ACK_LOG_DIR"
 
 
 def kafka_client(config: CaptureConfig, kafka: KafkaConfig) -> Any:
@@ -49,6 +56,34 @@ def kafka_client(config: CaptureConfig, kafka: KafkaConfig) -> Any:
         max_block_ms=int(config.connect_timeout_s * 1000),
         bootstrap_timeout_ms=int(config.connect_timeout_s * 1000),
         reconnect_backoff_max_ms=1000, client_id="tide-capture")
+
+
+class AckLog:
+    """Acknowledged chunks, one JSON line each, written as the ack arrives (a line that reached
+    the file survives this process being killed): request id, chunk, positions, partition, offset."""
+
+    def __init__(self, folder: str) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self._file = open(Path(folder) / f"acks-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> "AckLog | None":
+        folder = os.environ.get(ACK_LOG_ENV)
+        return cls(folder) if folder else None
+
+    def write(self, chunk: Any, metadata: Any) -> None:
+        line = json.dumps({"request_id": chunk.request_id, "chunk_index": chunk.chunk_index,
+                           "chunk_count": chunk.chunk_count, "position_start": chunk.position_start,
+                           "num_tokens": chunk.num_tokens, "partition": metadata.partition,
+                           "offset": metadata.offset})
+        with self._lock:  # acks arrive on kafka-python's I/O thread, late ones after close
+            if not self._file.closed:
+                self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
 
 
 class _Delivery:
@@ -95,6 +130,7 @@ class CaptureProducer:
         self._discarded: OrderedDict[str, None] = OrderedDict()
         self._unacked_bytes = 0
         self._ack_lock = threading.Lock()
+        self._ack_log = AckLog.from_env()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tide-capture-producer", daemon=True)
 
@@ -197,7 +233,8 @@ class CaptureProducer:
         try:
             record = build_record(pending, self.config.hidden_dtype,
                                   self.config.max_tokens_per_request)
-            values = [encode(chunk) for chunk in split(record, self.config.max_message_bytes)]
+            chunks = split(record, self.config.max_message_bytes)
+            values = [encode(chunk) for chunk in chunks]
         except (RecordError, ValueError, RuntimeError) as exc:
             log.warning("capture: cannot encode request %s: %s", pending.meta.request_id, exc)
             metrics.CAPTURE_DROPPED_RECORDS.labels("encode_error").inc()
@@ -208,7 +245,7 @@ class CaptureProducer:
             return
         key = pending.meta.request_id.encode()
         delivery = _Delivery(self, len(values), record.num_tokens)
-        for value in values:
+        for chunk, value in zip(chunks, values):
             with self._ack_lock:
                 self._unacked_bytes += len(value)
             try:
@@ -220,6 +257,8 @@ class CaptureProducer:
                 break  # the record is lost anyway; later chunks would only be orphans
             n = len(value)
             future.add_callback(lambda _m, n=n: delivery.ok(n))
+            if self._ack_log is not None:
+                future.add_callback(lambda m, c=chunk: self._ack_log.write(c, m))
             future.add_errback(lambda exc, n=n: delivery.error(n, exc))
 
     def _reset_client(self) -> None:
@@ -269,3 +308,5 @@ class CaptureProducer:
         metrics.CAPTURE_UNACKED_BYTES.set(self._unacked_bytes)
         metrics.CAPTURE_OPEN_REQUESTS.set(0)
         metrics.CAPTURE_QUEUE_DEPTH.set(self._source.qsize())
+        if self._ack_log is not None:
+            self._ack_log.close()

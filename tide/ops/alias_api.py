@@ -271,6 +271,43 @@ def alias_writer(cfg, registry: Registry | None = None, token: str | None = None
     return AliasOwner(registry or Registry.from_config(cfg), default_lock_path(cfg))
 
 
+class PromotionCatchUp:
+    """The owner's side of auto-promotion: a retrain that finished while the owner (the scheduler
+    hosting it) or the registry was down could not have its challenger promoted, and the job does
+    not ask twice. Every ``interval_s`` the owner looks at the last successful retrain
+    (``last_success``: its job id, None when it registered nothing) and runs the policy once for
+    each new one, asking again while the registry does not answer. The policy decides on the
+    aliases as they are then, so a promotion the job did get done is not repeated (its challenger
+    is champion, or no challenger is left)."""
+
+    def __init__(self, owner: Callable[[], AliasOwner], margin: float, last_success: Callable[[], str | None],
+                 interval_s: float) -> None:
+        self._owner, self._margin, self._last_success, self._interval_s = owner, margin, last_success, interval_s
+        self._done: str | None = None  # this process has not asked yet: a restart asks for the last one again
+        self._failing = ""
+
+    def run(self, stop: threading.Event) -> None:
+        """Until ``stop``; meant for a daemon thread."""
+        while not stop.wait(self._interval_s):
+            self.step()
+
+    def step(self) -> None:
+        job = None
+        try:
+            job = self._last_success()
+            if job is None or job == self._done:
+                return
+            result = self._owner().auto_promote(self._margin)
+        except Exception as exc:  # noqa: BLE001 - RegistryError, a hung MLflow: asked again next interval
+            if str(exc) != self._failing:  # once per distinct failure
+                log.warning("auto-promotion catch-up (last successful retrain %s): %s; asking again", job, exc)
+            self._failing = str(exc)
+            return
+        self._done, self._failing = job, ""
+        log.info("auto-promotion catch-up (last successful retrain %s): %s", job,
+                 result.detail if result.applied else f"not promoting: {result.detail}")
+
+
 def auto_promote_after_retrain(registry: Registry, cfg) -> dict:
     """The retrain's auto-promotion call: asks the alias owner to apply the policy now; never
     raises (the registered version stands either way)."""

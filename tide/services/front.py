@@ -18,6 +18,7 @@ In Kubernetes the engine Service spreads requests over the replicas; locally thi
    that sends nothing for ``stall_s`` once its backend is marked down (a hung replica); a stream
    that keeps coming from a backend the probes missed goes on;
 5. with no backend up: 503 with Retry-After at once.
+Every proxied answer names the backend that gave it (header ``x-tide-replica``).
 ``GET /health`` answers the front's view: backends, their drafter versions (``drafter_version`` is
 theirs when all agree, else ``mixed``), the counters. The control API is per replica, never proxied.
 
@@ -45,6 +46,7 @@ log = logging.getLogger("tide.services.front")
 # request headers not forwarded (hop-by-hop, or set by the client library for the new connection)
 DROP_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "te", "upgrade"}
 RETRY_AFTER_S = 1
+REPLICA_HEADER = "x-tide-replica"  # on every proxied answer: the backend that gave it
 
 
 class _Retry(Exception):
@@ -133,6 +135,7 @@ class Front:
                 self.counts["retried:503"] += 1
                 continue
             out = {k: v for k, v in resp.headers.items() if k.lower() not in DROP_HEADERS | {"content-encoding"}}
+            out[REPLICA_HEADER] = b.url  # which replica answered: a failure is traced to it
             return StreamingResponse(self._rest(b, resp, first), status_code=resp.status_code, headers=out)
         self.counts["no_backend"] += 1
         return JSONResponse({"error": {"message": "no engine replica is up; retry", "type": "server_error",

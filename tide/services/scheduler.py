@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from tide import service
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from tide.dataset.location import Location
     from tide.dataset.retention import maintain
     from tide.dataset.table import DatasetTable
-    from tide.ops.alias_api import AliasApiServer
+    from tide.ops.alias_api import AliasApiServer, PromotionCatchUp
     from tide.ops.aliases import AliasOwner, default_lock_path, owner_token
     from tide.registry import Registry
     from tide.schedule import RetrainScheduler, StateStore, build_launcher, default_state_path
@@ -73,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                                     lambda: AliasOwner(Registry.from_config(cfg), default_lock_path(cfg)),
                                     owner_token(cfg)).start()
         scheduler.start()
+        if cfg.ops.auto_promote:  # a retrain that finished while this owner was down is promoted now
+            owner = server.owner if server is not None else \
+                (lambda: AliasOwner(Registry.from_config(cfg), default_lock_path(cfg)))
+            catch_up = PromotionCatchUp(owner, cfg.ops.auto_promote_margin,
+                                        lambda: _last_registered(StateStore(state_path)), scfg.interval_s)
+            threading.Thread(target=catch_up.run, args=(stop,), name="promotion-catch-up", daemon=True).start()
         log.info("scheduling retrains: every %gs, >= %d new %s in %s, %s launcher, state %s",
                  scfg.interval_s, scfg.min_new_samples, scfg.sample_unit, data_dir,
                  launcher.kind, state_path)
@@ -83,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
         log.info("scheduler closed")
     return 0
+
+
+def _last_registered(store) -> str | None:
+    """The job id of the last successful retrain, when it registered a version."""
+    last = store.load().last_success
+    return last.job_id if last is not None and last.version is not None else None
 
 
 if __name__ == "__main__":
