@@ -2,9 +2,12 @@
 
 Two passes over the same held-out prompts of each workload:
 1. acceptance (``tide.report.compare``): target-only vs each drafter with speculation always on, as
-   the drafter-quality figure (tokens per target forward) and the lossless check;
+   the drafter-quality figure (tokens per target forward) and the lossless check; with a first
+   adapted drafter (the shift's quick retrain, swapped in before the final one) that one too;
 2. served (``tide.report.compare_served``): one reference engine per mode with the demo's draft-length
    scheduler and per-workload gate, as a client gets it: decode tok/s over target-only.
+Workloads are keyed by the names people use (``workload_names``), never by a file's path; an
+operator's file is split into traffic and compared prompts by prompt id, as the built-ins are.
 """
 from __future__ import annotations
 
@@ -24,8 +27,21 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def load_prompts(name_or_path: str, split: str, n: int, seed: int):
-    return workloads.load_workload(name_or_path, split, n, seed=seed)
+def load_prompts(name_or_path: str, split: str, n: int | None, seed: int):
+    if name_or_path in workloads.BUILTIN_WORKLOADS:
+        return workloads.load_workload(name_or_path, split, n, seed=seed)
+    # an operator's file, split by prompt id as the built-ins are: the compared prompts never ride
+    # in the traffic a retrain trains on (a file too small to hold any out is used whole)
+    prompts = workloads.load_workload(name_or_path)
+    if not workloads.select(prompts, "heldout", None, seed):
+        return prompts if n is None else prompts[:n]
+    return workloads.select(prompts, split, n, seed)
+
+
+def workload_names(before: str, after: str) -> tuple[str, str]:
+    """The two workloads as people name them (``workloads.workload_name``), told apart when equal."""
+    names = workloads.workload_name(before), workloads.workload_name(after)
+    return names if names[0] != names[1] else (f"{names[0]}-before", f"{names[1]}-after")
 
 
 def download(home: Path, tracking_uri: str, version: str) -> Path | None:
@@ -43,7 +59,10 @@ def download(home: Path, tracking_uri: str, version: str) -> Path | None:
         return None
 
 
-def comparison(home: Path, adapted_folder: Path | None, before: str, after: str, s) -> dict:
+def comparison(home: Path, adapted_folder: Path | None, before: str, after: str, s,
+               first_folder: Path | None = None) -> dict:
+    """``before``/``after``: built-in names or files; ``first_folder``: the first adapted drafter
+    when a later one replaced it (its tokens per forward are compared too, not served)."""
     from tide.config import load_config
     from tide.drafter.artifact import TargetSpec, load_drafter
     from tide.drafter.static import static_drafter_path
@@ -56,15 +75,19 @@ def comparison(home: Path, adapted_folder: Path | None, before: str, after: str,
     drafters = {"static": load_drafter(static_drafter_path(cfg), spec)}
     if adapted_folder is not None:
         drafters["adapted"] = load_drafter(adapted_folder, spec)
+    if first_folder is not None and adapted_folder is not None:
+        drafters["first"] = load_drafter(first_folder, spec)
+    (bname, aname), (bpath, apath) = workload_names(before, after), (before, after)
     prompts = {
-        before: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(before, "heldout", s.compare_prompts, 11)],
-        after: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(after, "heldout", s.compare_prompts, 13)],
+        bname: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(bpath, "heldout", s.compare_prompts, 11)],
+        aname: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(apath, "heldout", s.compare_prompts, 13)],
     }
+    before, after = bname, aname
     # the engine's own decoding settings (draft length, early stop, siblings), as served
     res = compare(target, drafters, prompts, s.compare_max_tokens, cfg.spec.draft_len, progress=say,
                   stop_prob=cfg.spec.draft_stop_prob, siblings=cfg.spec.draft_siblings)
     out = {w: {m: r.as_dict() for m, r in modes.items()} for w, modes in res.items()}
-    out["served"] = served(target, tok, drafters, prompts, s, cfg)
+    out["served"] = served(target, tok, {k: v for k, v in drafters.items() if k != "first"}, prompts, s, cfg)
     if "adapted" in drafters:
         a, st = res[after]["adapted"], res[after]["static"]
         out["ratios"] = {
@@ -80,6 +103,12 @@ def comparison(home: Path, adapted_folder: Path | None, before: str, after: str,
             f"{before}_accept_adapted_over_static":
                 ratio_interval(res[before]["adapted"], res[before]["static"], "tokens_per_forward"),
         }
+        if "first" in drafters:  # the first swap's drafter: how much it helped while the final one trained
+            for w in (after, before):
+                f, base = res[w]["first"], res[w]["static"]
+                out["ratios"][f"{w}_accept_first_over_static"] = f.tokens_per_forward / base.tokens_per_forward
+                out["ratio_intervals_90"][f"{w}_accept_first_over_static"] = ratio_interval(
+                    f, base, "tokens_per_forward")
     say(json.dumps({k: {"ratio": round(v, 4), "interval_90": [round(x, 4) for x in out["ratio_intervals_90"][k]]}
                      for k, v in out.get("ratios", {}).items()}, indent=2))
     return out

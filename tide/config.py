@@ -265,6 +265,9 @@ class TrainConfig:
     # of the newest one; both 0 = all data is recent (nothing to replay)
     window_samples: int = 0
     window_s: float = 3600.0
+    # > 0: the recent window is what was captured since this unix time instead (the scheduler sets it
+    # for the first retrain after a workload shift: the new traffic, with older traffic as replay)
+    window_since_s: float = 0.0
     # older requests replayed per recent training request (0.25 kept 93% of chat acceptance
     # after a code retrain, 1.0 kept 97%)
     replay_ratio: float = 1.0
@@ -384,6 +387,27 @@ class ScheduleConfig:
     command: tuple[str, ...] = ("{python}", "-m", "tide.cli", "train", "--online")
     state_path: str = ""  # empty = <home>/scheduler/state.json (job logs and results beside it)
     history_max_jobs: int = 50  # finished jobs kept in the state file
+    # a local retrain runs on these CPUs ("last": the scheduler's highest CPU when it may use two or
+    # more; "": any; else a list such as "2,3" or "2-3"), at this niceness: the engine keeps its core
+    local_cpus: str = "last"
+    local_nice: int = 10
+    # workload shifts (tide/schedule/shift.py): detected from the captured workload mix (the newest
+    # shift_recent_tokens against up to shift_reference_tokens before them, total-variation distance
+    # >= shift_mix_distance) and, with shift_metrics_urls (engines' /metrics), a drop of the serving
+    # drafter's live acceptance by shift_accept_drop over shift_accept_window_s. After one, the next
+    # retrain launches at shift_min_new_samples, without the cool-down, with shift_train's train.*
+    # overrides (a shorter warm-started run), on a window starting where the new traffic began
+    shift_detection: bool = True
+    shift_recent_tokens: int = 2000
+    shift_reference_tokens: int = 8000
+    shift_mix_distance: float = 0.5
+    shift_metrics_urls: tuple[str, ...] = ()
+    shift_accept_window_s: float = 120.0
+    shift_accept_drop: float = 0.15
+    shift_accept_min_forwards: int = 200
+    shift_min_new_samples: int = 10_000
+    shift_train: Mapping[str, str] = field(default_factory=lambda: {"max_train_s": "240"})
+    shift_window_from_shift: bool = True  # the shift's retrain: recent = what came since the shift, + replay
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9103  # /metrics and /health; 0 = none
     k8s_namespace: str = "tide"

@@ -4,12 +4,16 @@ Steps:
 1. ``tide up`` with demo settings: auto-promotion on, a retrain threshold sized to the run;
 2. phase "before": replay the first workload (ShareGPT English chat) through the HTTP API;
 3. shift: replay the second workload (code: HumanEval + stdlib prompts); capture → Kafka →
-   Parquet feeds the scheduler, which launches a retrain; the retrain registers a challenger,
-   auto-promotion makes it champion, the engine swaps it in; traffic keeps flowing until the
-   adapted drafter has served enough requests and forwards and the dashboard has recorded it
-   (``LoopWatch``: each wait is bounded, and a wait that runs out says why in the report);
+   Parquet feeds the scheduler, which detects the shift from the captured workload mix (and the
+   engine's live acceptance) and launches a short retrain on what came since it, with the chat
+   as replay; the retrain registers a challenger, auto-promotion makes it champion, the engine
+   swaps it in (the first swap); the next retrain, at the full threshold, trains on more of the
+   new traffic and replaces it (the final swap); traffic keeps flowing until the final drafter
+   has served enough requests and forwards and the dashboard has recorded it (``LoopWatch``:
+   each wait is bounded, and a wait that runs out says why in the report);
 4. stop everything, then a controlled comparison in one process with nothing else running:
-   the same held-out prompts of each workload, target-only vs static drafter vs adapted drafter;
+   the same held-out prompts of each workload, target-only vs static drafter vs the first and the
+   final adapted drafter;
 5. write the report folder: acceptance-over-time PNG (shift and swaps marked) + summary JSON;
 6. with ``keep_up``, the stack is not stopped in step 4 (the comparison then shares the CPU with the
    idle stack, and with a retrain should the scheduler launch another) and runs on after the report,
@@ -25,6 +29,7 @@ engine serves the new drafter (the front reports ``mixed`` while a rollout is un
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 import threading
@@ -35,11 +40,15 @@ from pathlib import Path
 import httpx
 
 from tide import prometheus
-from tide.comparison import SERVED_SCHEDULER, comparison, download, load_prompts, say
+from tide.comparison import SERVED_SCHEDULER, comparison, download, load_prompts, say, workload_names
+from tide.config import load_config
 from tide.metrics import SCHED_RETRAINS_FINISHED
+from tide.process import port_or_free
 from tide.report import plot_acceptance, speculation_timeline, timeline_lines, write_summary
+from tide.schedule.scheduler import default_state_path
+from tide.schedule.state import jobs_report
 from tide.services import page_data
-from tide.stack import Stack, StackOptions
+from tide.stack import DEFAULT_PORTS, Stack, StackOptions
 from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_value, replay, scrape
 
 
@@ -77,6 +86,16 @@ class DemoSettings:
     # the challenger must beat the champion's held-out sim accept length by this fraction to go in
     # (the default policy asks 5%, which a short demo's retrain can fall just short of)
     promote_margin: float = 0.02
+    # the scheduler detects the shift from the captured workload mix; its first retrain launches
+    # at shift_min_tokens new tokens (the chat before the shift counts too) and trains briefly
+    # (shift_train: train.* overrides) on what came since the shift, the chat replayed beside it
+    shift_min_tokens: int = 12_000
+    shift_recent_tokens: int = 2000  # the newest captured tokens whose mix is compared with those before
+    shift_reference_tokens: int = 4000
+    shift_train: dict = dataclasses.field(default_factory=lambda: {"max_train_s": "60"})
+    # the first swap -> the full-threshold retrain after it has swapped in (or was refused) and its
+    # drafter has shown the evidence above; 0: the loop closes on the first swap
+    final_timeout_s: float = 20 * 60
 
     @classmethod
     def quick(cls) -> "DemoSettings":
@@ -90,7 +109,11 @@ class DemoSettings:
                    compare_prompts=4, compare_max_tokens=32, swap_timeout_s=12 * 60, after_timeout_s=3 * 60,
                    # a handful of held-out requests: a 2% margin on them is within their noise, so the
                    # quick run promotes any challenger that is not worse
-                   promote_margin=0.0)
+                   promote_margin=0.0,
+                   # 8 chat requests hold ~1.2k tokens: the mix is read over fewer; the shift's retrain is the
+                   # only one (the loop closes on its swap)
+                   shift_min_tokens=7_500, shift_recent_tokens=500, shift_reference_tokens=1000,
+                   shift_train={"max_train_s": "120"}, final_timeout_s=0)
 
 
 def _champion(engine_url: str) -> str:
@@ -118,9 +141,17 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
              keep_up: bool = False, engines: int = 1) -> dict:
     t_start = time.monotonic()
     home = fresh_state(home)
+    ports = dict(ports or {})
+    # the scheduler reads the engine's live acceptance as a second shift signal (one engine: its port)
+    ports["engine"] = port_or_free(ports.get("engine") or DEFAULT_PORTS["engine"])
     overrides = {
         "schedule": {"interval_s": 5, "min_new_samples": settings.retrain_min_tokens, "sample_unit": "tokens",
-                     "cooldown_s": 60, "backoff_base_s": 10},
+                     "cooldown_s": 60, "backoff_base_s": 10, "shift_min_new_samples": settings.shift_min_tokens,
+                     "shift_recent_tokens": settings.shift_recent_tokens,
+                     "shift_reference_tokens": settings.shift_reference_tokens,
+                     "shift_train": dict(settings.shift_train), "shift_accept_window_s": 60,
+                     "shift_accept_min_forwards": 150,
+                     "shift_metrics_urls": [f"http://127.0.0.1:{ports['engine']}/metrics"] if engines == 1 else []},
         "train": {"max_train_tokens": settings.retrain_max_train_tokens, "max_train_s": settings.retrain_max_s},
         "ops": {"auto_promote": True, "auto_promote_margin": settings.promote_margin, "poll_interval_s": 3,
                 "guard_window_forwards": 100},
@@ -128,7 +159,7 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
         # speculation only where it pays, per workload; the report says when it was on or off and why
         "spec": {"scheduler": SERVED_SCHEDULER},
     }
-    stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides, ports=ports or {},
+    stack = Stack(StackOptions(home, bootstrap_servers, tracking_uri, overrides=overrides, ports=ports,
                                engines=engines))
     page_data.marks_path(home).unlink(missing_ok=True)  # a previous run's shift is not this one's
     say(f"starting {', '.join(stack.parts)} ...")
@@ -159,6 +190,7 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
               tracking_uri: str, t_start: float, keep_up: bool) -> dict:
     say("TIDE is up:\n" + stack.describe())
     url = stack.endpoints["engine"]
+    names = workload_names(before, after)  # as people name them: a file by its records' tag or its stem
     static_version = _champion(url)
     sampler = AcceptanceSampler([f"{u}/metrics" for u in stack.engine_urls], interval_s=5).start()
     summary: dict = {"settings": settings.__dict__, "endpoints": stack.endpoints, "static_version": static_version}
@@ -180,14 +212,14 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
             say(f"  {sent} requests, {res.failed} failed | drafter {version}: {accept} (last 30 s) | "
                  + loop_status(stack.endpoints["ingest metrics"], stack.endpoints["scheduler metrics"]))
 
-        say(f"phase 1: {settings.before_requests} '{before}' requests (drafter {static_version})")
+        say(f"phase 1: {settings.before_requests} '{names[0]}' requests (drafter {static_version})")
         r1 = replay(url, before_prompts[settings.compare_prompts:], settings.concurrency, settings.max_tokens,
                     on_done=lambda res: status(res, static_version))
         sampler.sample()
-        sampler.mark(f"shift to {after}")
-        page_data.write_mark(home, "shift", f"shift to {after}")
-        t_shift = time.monotonic()
-        say(f"phase 2: shift to '{after}'; waiting for retrain + swap")
+        sampler.mark(f"shift to {names[1]}")
+        page_data.write_mark(home, "shift", f"shift to {names[1]}")
+        t_shift, summary["shift_at_unix_s"] = time.monotonic(), time.time()
+        say(f"phase 2: shift to '{names[1]}'; waiting for retrain + swap")
         watch = LoopWatch(stack, sampler, static_version, settings, t_shift)
         r2 = replay(url, itertools.cycle(after_prompts), settings.concurrency, settings.max_tokens,
                     until=watch.done, on_done=lambda res: status(res, watch.on_done()))
@@ -198,22 +230,30 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
         summary["retrains_finished"] = _retrains_finished(stack)
         summary["registry_versions"] = _versions(stack)
         summary["retrain_s_after_shift"] = swaps[0][0] - (t_shift - sampler.t0) if swaps else None
+        summary["shift"] = _scheduler_health(stack).get("shift")  # what the scheduler detected, and when
     finally:
         sampler.stop()
         adapted = _champion(url) if stack.services else static_version
         summary["speculation"] = _speculation(stack, time.time() - (time.monotonic() - sampler.t0))
         summary["dashboard"] = _dashboard(stack, time.monotonic() - t_start)
-        adapted_folder = (download(home, stack.endpoints.get("mlflow", tracking_uri), adapted)
+        mlflow = stack.endpoints.get("mlflow", tracking_uri)
+        adapted_folder = (download(home, mlflow, adapted)
                           if adapted != static_version else None)  # no swap happened: nothing adapted to compare
+        first = swaps[0][1] if swaps else adapted
+        first_folder = download(home, mlflow, first) if first not in (adapted, static_version) else None
         if not keep_up:
             stack.stop()
+    # each retrain: when it ran after the shift, its wall and training time, its share of the machine
+    summary["retrains"] = jobs_report(default_state_path(load_config(stack.config_path, env={})),
+                                      summary.get("shift_at_unix_s"))
     summary["swaps"] = swaps
     summary["adapted_version"] = adapted
     summary["live"] = _live(sampler, static_version, adapted)
-    plot_acceptance(sampler, report_dir / "acceptance.png", f"TIDE demo: '{before}' then '{after}'")
+    summary["first_version"] = first
+    plot_acceptance(sampler, report_dir / "acceptance.png", f"TIDE demo: '{names[0]}' then '{names[1]}'")
     say("controlled comparison " + ("(the kept-up stack runs beside it: tokens/s are shared) ..." if keep_up
                                      else "(nothing else running) ..."))
-    summary["comparison"] = comparison(home, adapted_folder, before, after, settings)
+    summary["comparison"] = comparison(home, adapted_folder, before, after, settings, first_folder)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)
     write_summary(report_dir / "summary.json", summary)
     say(f"report: {report_dir}/summary.json, {report_dir}/acceptance.png")
@@ -222,11 +262,13 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
 
 class LoopWatch:
     """Phase 2's stop rule. Traffic goes on until the loop has shown what it must: the engine
-    swapped to a retrained drafter, which then served ``after_requests`` requests and
-    ``after_min_forwards`` target forwards (``after_min_drafted_forwards`` of them on rows it
-    drafted), and the stack's Prometheus has recorded its acceptance
-    (the dashboard's series). Each wait is bounded; past a bound ``reason`` says which event did
-    not come and where the loop stood."""
+    swapped to a retrained drafter (the first swap: the shift's quick retrain); with
+    ``final_timeout_s``, a retrain launched after it finished and its drafter swapped in (or was
+    not promoted within ``not_promoted_grace_s``); then the drafter serving served
+    ``after_requests`` requests and ``after_min_forwards`` target forwards
+    (``after_min_drafted_forwards`` of them on rows it drafted), and the stack's Prometheus has
+    recorded its acceptance (the dashboard's series). Each wait is bounded; past a bound
+    ``reason`` says which event did not come and where the loop stood."""
 
     CHECK_EVERY_S = 2.0  # done() runs before every request; the scrapes behind it need not
 
@@ -236,6 +278,9 @@ class LoopWatch:
         self.static_version = self.version = static_version
         self.swaps: list[tuple[float, str]] = []
         self.t_swap: float | None = None
+        self.t_first_swap: float | None = None
+        self.finished_at_first_swap = 0.0  # retrains finished when the first swap came
+        self.final_note: str | None = None  # how the wait for the final drafter ended
         self.t_closed: float | None = None
         self.served_after = 0
         self.closed = False
@@ -254,7 +299,9 @@ class LoopWatch:
                 self.swaps.append((time.monotonic() - self.sampler.t0, version))
                 self.sampler.mark(f"swap to v{version}")
                 say(f"engine now serves drafter {version}")
-                self.version, self.t_swap = version, time.monotonic()
+                self.version, self.t_swap, self.served_after = version, time.monotonic(), 0
+                if self.t_first_swap is None:
+                    self.t_first_swap, self.finished_at_first_swap = self.t_swap, _retrains_finished(self.stack)
             if version != self.static_version:
                 self.served_after += 1
         return version
@@ -288,12 +335,34 @@ class LoopWatch:
         return None
 
     def _check_after_swap(self, now: float) -> None:
+        if not self._final_done(now):
+            if now - self.t_first_swap > self.settings.final_timeout_s:
+                self.reason = (f"{self.settings.final_timeout_s:.0f} s after the first swap, no later retrain "
+                               "finished and swapped in (" + loop_status(self.stack.endpoints["ingest metrics"],
+                                                                         self.stack.endpoints["scheduler metrics"]) + ")")
+            return
         missing = self.missing()
         if not missing:
             self.closed, self.t_closed = True, now
         elif now - self.t_swap > self.settings.after_timeout_s:
             self.reason = (f"{self.settings.after_timeout_s:.0f} s after the swap to drafter {self.version}, "
                            "still missing: " + "; ".join(missing))
+
+    def _final_done(self, now: float) -> bool:
+        """The final drafter serves: a retrain launched after the first swap finished, and its drafter
+        swapped in or was not promoted within the grace (``final_timeout_s`` 0: the first swap is final)."""
+        if self.settings.final_timeout_s <= 0 or self.final_note is not None:
+            return True
+        if len(self.swaps) > 1:
+            self.final_note = f"the retrain after the first swap swapped in drafter {self.version}"
+            return True
+        if _retrains_finished(self.stack) <= self.finished_at_first_swap:
+            return False
+        self._finished_at = self._finished_at or now
+        if now - self._finished_at > self.settings.not_promoted_grace_s:
+            self.final_note = "the retrain after the first swap finished without a promoted challenger"
+            return True
+        return False
 
     def missing(self) -> list[str]:
         """What the adapted drafter has not shown yet (empty: the loop closed)."""
@@ -317,9 +386,19 @@ class LoopWatch:
                 f"{self.t_closed - self.t_swap:.0f} s after the swap, with its dashboard series recorded")
 
     def outcome(self) -> dict:
+        first = round(self.t_first_swap - self.t_shift, 1) if self.t_first_swap else None
         return {"closed": self.closed, "reason": self.reason, "served_after_swap": self.served_after,
                 "post_swap_s": round((self.t_closed or time.monotonic()) - self.t_swap, 1) if self.t_swap else None,
-                "shift_to_swap_s": round(self.t_swap - self.t_shift, 1) if self.t_swap else None}
+                "shift_to_swap_s": round(self.t_swap - self.t_shift, 1) if self.t_swap else None,
+                "shift_to_first_swap_s": first, "swaps": len(self.swaps), "final": self.final_note}
+
+
+def _scheduler_health(stack: Stack) -> dict:
+    """The scheduler's /health body ({} when it does not answer)."""
+    try:
+        return httpx.get(stack.endpoints["scheduler metrics"].removesuffix("/metrics") + "/health", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def _retrains_finished(stack: Stack) -> float:

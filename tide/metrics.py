@@ -174,6 +174,20 @@ SCHED_SECONDS_SINCE_SUCCESS = Gauge(
     "Seconds since the last successful retrain finished (since scheduler start if never)")
 SCHED_TICKS = Counter("tide_scheduler_ticks_total", "Policy evaluations, by decision",
                       ["decision"])  # launch | running | cooldown | backoff | not_enough | error
+SCHED_SHIFTS = Counter("tide_scheduler_shifts_detected_total", "Workload shifts detected, by the signal that saw "
+                       "it (workload_mix: the captured workload mix; acceptance_drop: the serving drafter's live "
+                       "acceptance)", ["signal"])
+SCHED_LAST_SHIFT = Gauge("tide_scheduler_last_shift_timestamp_seconds",
+                         "Unix time the last workload shift was detected (0 = none)")
+SCHED_SECONDS_SINCE_SHIFT = Gauge("tide_scheduler_seconds_since_shift",
+                                  "Seconds since the last workload shift was detected (-1 = none)")
+SCHED_SHIFT_INFO = Gauge(
+    "tide_scheduler_shift_info", "1 for the last detected workload shift: the signal, the workloads that grew, the "
+    "retrain it triggered (empty until launched) and that retrain's state (pending | running | its outcome)",
+    ["signal", "workloads", "retrain_job", "retrain_state"])
+SCHED_WORKLOAD_SHARE = Gauge("tide_scheduler_workload_token_share",
+                             "Share of the newest captured tokens by workload tag (the mix the shift signal reads)",
+                             ["workload"])
 
 # --- ops (swap watcher, collapse guard, promote/rollback) --------------------------------------
 OPS_SWAPS = Counter("tide_ops_swap_checks_total", "Champion checks by outcome (swapped/refused/not_applied/error)",

@@ -68,9 +68,11 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
         _wait_for_line(proc, out_path, KEPT_UP, timeout_s=KEPT_UP_TIMEOUT_S)
         # the page a user watches, in a real browser, after the whole loop: every panel has data
         dom = chromium_dom(_page_url(out_path.read_text()))
-        for name in ("acceptance", "samples", "retrain", "registry", "capture", "ingest"):
+        for name in ("acceptance", "shift", "samples", "retrain", "registry", "capture", "ingest"):
             assert f'data-panel="{name}" data-has-data="true"' in dom, (name, dom[-6000:])
-        assert 'data-mark="shift"' in dom and 'data-mark="swap"' in dom, dom[-6000:]  # the chart marks both
+        # the chart marks the shift, the scheduler's detection of it and the swap
+        assert 'data-mark="shift"' in dom and 'data-mark="detected"' in dom and 'data-mark="swap"' in dom, dom[-6000:]
+        assert "by workload mix" in dom.split('data-panel="shift"')[1].split("</section>")[0], dom[-6000:]
         proc.send_signal(signal.SIGTERM)  # ... and the kept-up stack stops cleanly on SIGTERM
         assert proc.wait(timeout=180) == 0, out_path.read_text()[-4000:]
     finally:
@@ -86,6 +88,12 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     loop = summary["loop"]  # traffic ran until the swapped-in drafter had shown enough, not a count
     assert loop["closed"] and loop["reason"] is None and loop["served_after_swap"] >= 8, loop
     assert summary["retrains_finished"] >= 1  # the scheduler launched a retrain that ran to the end
+    # it saw the shift in the captured workload mix and launched the shift's retrain, which registered the swap's version
+    shift = summary["shift"]
+    assert shift["signal"] == "workload_mix" and shift["workloads"] == ["code"], shift
+    assert shift["retrain_state"] == "succeeded" and shift["retrain_version"] == summary["first_version"], shift
+    (shift_job,) = [r for r in summary["retrains"] if r["shift"]]
+    assert shift_job["launched_after_shift_s"] > 0 and shift_job["cpu_s"] > 0, summary["retrains"]
     versions = [v for v in summary["registry_versions"] if "version" in v]
     assert any(v["version"] >= 2 for v in versions), versions  # ... and registered a new version
     assert summary["swaps"], versions  # promoted by the policy and swapped in ...

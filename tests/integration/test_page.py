@@ -93,10 +93,38 @@ def test_page_answers_with_reasons_when_every_source_is_down(tmp_path):
     try:
         resp = httpx.get(url + "?minutes=bad", timeout=30)
         assert resp.status_code == 200
-        for name in ("acceptance", "samples", "retrain", "registry", "fleet", "capture", "ingest"):
+        for name in ("acceptance", "shift", "samples", "retrain", "registry", "fleet", "capture", "ingest"):
             assert f'data-panel="{name}" data-has-data="false"' in resp.text, name
-        assert resp.text.count('class="reason"') == 7 and "ConnectError" in resp.text
+        assert resp.text.count('class="reason"') == 8 and "ConnectError" in resp.text
         assert "no alias owner configured" in resp.text
         assert httpx.get(url + "health", timeout=5).json() == {"status": "ok"}
     finally:
         server.shutdown()
+
+
+def test_the_shift_panel_says_which_signal_when_and_the_retrain_it_triggered(tmp_path):
+    """The scheduler's record of a detected shift (its state file and /health), as the page shows it."""
+    from tide.schedule.shift import shift_view
+    from tide.schedule.state import RunningJob, ShiftRecord, StateStore
+
+    store = StateStore(tmp_path / "state.json")
+    detected = time.time() - 95
+    with store.transaction() as state:
+        state.shifts = [ShiftRecord("workload_mix", detected, "code 0% -> 100% of the newest 2000 captured tokens",
+                                    ["code"], detected - 20, job_id="job-7", launched_at_s=detected + 12)]
+        state.running = RunningJob("job-7", "local", detected + 12, detected + 999, None, 9000)
+    sched = HealthServer("127.0.0.1", 0, lambda: (True, {"shift": shift_view(store.load(), time.time())})).start()
+    url, server = _serve(page_data.Sources("", f"http://127.0.0.1:{sched.port}", tmp_path, None, store.path))
+    try:
+        html = httpx.get(url, timeout=30).text
+        panel = html.split('data-panel="shift"')[1].split("</section>")[0]
+        assert 'data-has-data="true"' in panel and "by workload mix" in panel
+        assert "code 0% -&gt; 100%" in panel and "job-7" in panel and "12 s after the detection" in panel
+        assert ">running<" in panel
+        since = float(panel.split("time since</th><td>")[1].split(" s<")[0])
+        assert 95 <= since < 95 + 60  # the time since the detection, not a clock reading
+        assert page_data._detections(page_data.Sources(state_path=store.path)) == [
+            (detected, "detected", "shift detected (workload_mix)")]  # marked on the chart too
+    finally:
+        server.shutdown()
+        sched.close()

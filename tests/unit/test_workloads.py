@@ -14,6 +14,7 @@ from tide.workloads import (
     select,
     sharegpt,
     split_of,
+    workload_name,
     write_jsonl_workload,
 )
 from tide.workloads.sharegpt import first_turn_pairs, hangul_ratio, is_english, iter_records, looks_like_code
@@ -234,3 +235,18 @@ def test_load_workload_dispatches_builtin_names(home):
     assert {p.workload for p in load_workload("sharegpt-code", "heldout", 5, home=home)} == {"code"}
     assert {p.workload for p in load_workload("code", "heldout", 5, home=home)} == {"code"}
     assert {p.workload for p in load_workload("korean", "heldout", 5, home=home)} == {"korean"}
+
+
+def test_a_workload_is_named_as_people_name_it(tmp_path):
+    """A built-in by its name; a file by the one tag its records carry, else its stem (never the path)."""
+    assert workload_name("code") == "code" and workload_name("sharegpt-code") == "sharegpt-code"
+    tagged = tmp_path / "deep" / "dir" / "prompts.jsonl"
+    tagged.parent.mkdir(parents=True)
+    tagged.write_text('{"prompt": "a", "workload": "support"}\n{"prompt": "b", "workload": "support"}\n')
+    assert workload_name(str(tagged)) == "support"
+    untagged = tmp_path / "legal-questions.jsonl"
+    untagged.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert workload_name(str(untagged)) == "legal-questions"
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "a", "workload": "x"}\n{"prompt": "b", "workload": "y"}\n')
+    assert workload_name(str(mixed)) == "mixed"

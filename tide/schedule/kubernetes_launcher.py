@@ -268,7 +268,7 @@ class KubernetesLauncher:
     def launch(self, spec: JobSpec) -> dict:
         from kubernetes.client.exceptions import ApiException
 
-        job = build_job(self.sc, spec.job_id, self.env)
+        job = build_job(self.sc, spec.job_id, {**self.env, **spec.env})
         try:
             self.api.create_namespaced_job(self.sc.k8s_namespace, job,
                                            _request_timeout=_API_TIMEOUT_S)

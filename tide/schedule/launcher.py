@@ -25,11 +25,13 @@ ENV_STATE_PATH = "TIDE_RETRAIN_STATE_PATH"
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One retrain to launch: its id and where its log and result file go (local launches)."""
+    """One retrain to launch: its id, where its log and result file go (local launches), and
+    environment of its own (a shift's retrain: ``TIDE_TRAIN__*`` overrides) over the launcher's."""
 
     job_id: str
     result_path: Path
     log_path: Path
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

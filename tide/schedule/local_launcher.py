@@ -3,7 +3,10 @@
 Launch: the configured command plus ``[--config FILE] --result-json PATH``, stdout and stderr to a
 log file, ``start_new_session`` (the job leads its own process group, and a signal meant for the
 scheduler's group does not reach it). The handle records pid, process group and the kernel's start
-time of the pid, so a restarted scheduler can tell "still our job" from "pid reused".
+time of the pid, so a restarted scheduler can tell "still our job" from "pid reused". The job is
+confined to ``schedule.local_cpus`` at ``schedule.local_nice`` as soon as it exists (every thread
+it has then; threads and processes it starts later inherit both): a retrain on the engine's
+machine trains on a core of its own and yields any core it shares, so serving does not slow.
 
 Poll: our own child -> ``Popen.poll`` (exit code known); a job adopted from an earlier scheduler
 process -> /proc liveness (zombies count as gone) and the result file alone.
@@ -64,13 +67,52 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
+def parse_cpus(text: str, allowed: set[int]) -> set[int]:
+    """``schedule.local_cpus`` as CPU ids (an empty set: no pinning): "" none; "last" the highest
+    of ``allowed`` (this process's CPUs) when there are two or more; else "2,3" or "2-3"."""
+    text = text.strip()
+    if not text:
+        return set()
+    if text == "last":
+        return {max(allowed)} if len(allowed) >= 2 else set()
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus |= set(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"schedule.local_cpus: {text!r} is not 'last', '' or a list like '2,3' or '2-3'") from None
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"schedule.local_cpus: {text!r} names CPUs outside {sorted(allowed)}")
+    return cpus
+
+
+def confine(pid: int, cpus: set[int], nice: int) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (empty: left as is) at niceness ``nice`` (0: left as is)."""
+    try:
+        tids = [int(t) for t in os.listdir(_PROC / str(pid) / "task")]
+    except OSError:
+        tids = [pid]  # no procfs: the main thread (later threads inherit from it)
+    for tid in tids:
+        try:
+            if cpus:
+                os.sched_setaffinity(tid, cpus)
+            if nice:  # never below what it inherited: only a privileged process may lower it
+                os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        except (ProcessLookupError, PermissionError):  # gone already: nothing left to confine
+            continue
+
+
 class LocalLauncher:
     kind = "local"
 
     def __init__(self, command: Sequence[str], config_path: str | None, state_path: Path,
-                 kill_grace_s: float = 10.0, env: Mapping[str, str] | None = None) -> None:
+                 kill_grace_s: float = 10.0, env: Mapping[str, str] | None = None, cpus: str = "",
+                 nice: int = 0) -> None:
         if not command:
             raise ValueError("schedule.command is empty")
+        self.cpus = parse_cpus(cpus, os.sched_getaffinity(0))
+        self.nice = nice
         self.command = [sys.executable if arg == "{python}" else arg for arg in command]
         self.config_path = str(Path(config_path).resolve()) if config_path else None
         self.state_path = str(Path(state_path).resolve())
@@ -85,13 +127,14 @@ class LocalLauncher:
     def launch(self, spec: JobSpec) -> dict:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.result_path.unlink(missing_ok=True)  # a stale result must not pass for this job's
-        env = {**os.environ, **self.env, ENV_JOB_ID: spec.job_id, ENV_STATE_PATH: self.state_path}
+        env = {**os.environ, **self.env, **spec.env, ENV_JOB_ID: spec.job_id, ENV_STATE_PATH: self.state_path}
         argv = self.argv(spec)
         with open(spec.log_path, "ab") as log_file:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                     close_fds=True)
         self._children[proc.pid] = proc
+        confine(proc.pid, self.cpus, self.nice)
         log.info("launched retrain %s: pid %d: %s (log %s)", spec.job_id, proc.pid,
                  " ".join(argv), spec.log_path)
         return self._handle(proc.pid, spec.result_path, spec.log_path)

@@ -7,6 +7,10 @@ A retrain launches when all hold, checked in this order (the first that fails is
    blocks for good, and one success resets the streak;
 3. the cool-down after the last successful retrain has passed;
 4. at least ``min_new_samples`` samples arrived since the last successful retrain.
+After a detected workload shift (``tide/schedule/shift.py``) whose retrain has not launched yet,
+3 is waived and 4 asks ``shift_min_new_samples``: the service runs on a mismatched drafter for as
+little time as it takes to gather that much (the launch carries ``shift_env``: a shorter
+warm-started run on what came since the shift, with the older traffic as replay).
 
 "Arrived since" means committed to the table after the watermark, a table version: the counts
 are the ``tide.counts`` metadata ingest records in each commit (read from the log, never by
@@ -32,6 +36,8 @@ class Decision:
     reason: str  # launch | running | backoff | cooldown | not_enough
     new_samples: int
     wait_s: float = 0.0  # for backoff/cooldown: seconds until that gate opens
+    threshold: int = 0  # the new samples this decision asked for
+    shift: bool = False  # the retrain of a detected workload shift (launched or waited for)
 
 
 def check_config(cfg: Any) -> None:
@@ -42,9 +48,16 @@ def check_config(cfg: Any) -> None:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"schedule.{name} must be > 0, got {getattr(cfg, name)}")
     for name in ("min_new_samples", "cooldown_s", "kill_grace_s", "backoff_base_s",
-                 "backoff_max_s"):
+                 "backoff_max_s", "shift_min_new_samples", "shift_accept_min_forwards"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"schedule.{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("shift_recent_tokens", "shift_reference_tokens", "shift_accept_window_s"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"schedule.{name} must be > 0, got {getattr(cfg, name)}")
+    for name in ("shift_mix_distance", "shift_accept_drop"):
+        if not 0.0 < getattr(cfg, name) <= 1.0:
+            raise ValueError(f"schedule.{name} must be in (0, 1], got {getattr(cfg, name)}")
+    shift_env(cfg, None)  # a shift_train key that is no train.* setting fails now, not at the first shift
 
 
 def backoff_delay_s(failures: int, base_s: float, max_s: float) -> float:
@@ -56,20 +69,40 @@ def backoff_delay_s(failures: int, base_s: float, max_s: float) -> float:
 
 def decide(state: SchedulerState, new_samples: int, now_s: float, cfg: Any) -> Decision:
     """``cfg`` is the ScheduleConfig."""
+    shift = state.shift is not None and state.shift.pending
+    threshold = cfg.shift_min_new_samples if shift else cfg.min_new_samples
     if state.running is not None:
-        return Decision(False, "running", new_samples)
+        return Decision(False, "running", new_samples, threshold=threshold, shift=shift)
     if state.consecutive_failures > 0 and state.last_failure_at_s is not None:
         ready_s = state.last_failure_at_s + backoff_delay_s(
             state.consecutive_failures, cfg.backoff_base_s, cfg.backoff_max_s)
         if now_s < ready_s:
-            return Decision(False, "backoff", new_samples, ready_s - now_s)
-    if state.last_success is not None:
+            return Decision(False, "backoff", new_samples, ready_s - now_s, threshold, shift)
+    if state.last_success is not None and not shift:
         ready_s = state.last_success.finished_at_s + cfg.cooldown_s
         if now_s < ready_s:
-            return Decision(False, "cooldown", new_samples, ready_s - now_s)
-    if new_samples < cfg.min_new_samples:
-        return Decision(False, "not_enough", new_samples)
-    return Decision(True, "launch", new_samples)
+            return Decision(False, "cooldown", new_samples, ready_s - now_s, threshold, shift)
+    if new_samples < threshold:
+        return Decision(False, "not_enough", new_samples, threshold=threshold, shift=shift)
+    return Decision(True, "launch", new_samples, threshold=threshold, shift=shift)
+
+
+def shift_env(cfg: Any, shift: Any) -> dict[str, str]:
+    """The environment of a shift's retrain: ``shift_train`` as ``TIDE_TRAIN__*`` overrides and, with
+    ``shift_window_from_shift``, a window starting where the new traffic began (``shift``: the
+    ShiftRecord; None only checks the keys). Raises ValueError naming a key that is no train.* setting."""
+    from dataclasses import fields
+
+    from tide.config import TrainConfig
+
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(cfg.shift_train) - known)
+    if unknown:
+        raise ValueError(f"schedule.shift_train: {unknown} are not train.* settings")
+    env = {f"TIDE_TRAIN__{key.upper()}": str(value) for key, value in cfg.shift_train.items()}
+    if shift is not None and cfg.shift_window_from_shift and shift.since_s is not None:
+        env["TIDE_TRAIN__WINDOW_SINCE_S"] = f"{shift.since_s:.3f}"
+    return env
 
 
 def watermark_of(state: SchedulerState) -> int | None:

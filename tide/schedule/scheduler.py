@@ -9,8 +9,11 @@ One tick, inside the state file's lock (``StateStore.transaction``):
 2. on the first tick of this process, with nothing recorded as running: ask the launcher for jobs
    it can find without the state file (local: processes carrying this state file's marker;
    Kubernetes: Jobs with our labels) and adopt one, so even a lost state file does not double-run;
-3. count new samples from the dataset table's log (commit metadata after the watermark version),
-   apply the policy, and launch when it says so.
+3. watch for a workload shift (``tide/schedule/shift.py``: the captured workload mix, the
+   engines' live acceptance) and record one when it is detected;
+4. count new samples from the dataset table's log (commit metadata after the watermark version),
+   apply the policy (a recorded shift whose retrain has not launched asks fewer), and launch when
+   it says so; a shift's retrain is launched with its own environment and recorded on the shift.
 APScheduler runs ticks with ``max_instances=1, coalesce=True`` on one worker thread, so ticks never
 overlap and a slow tick does not queue a burst. The dataset's maintenance (retention DELETE +
 VACUUM, compaction: tide/dataset/retention.py), when given, runs as a second job on its own thread
@@ -38,10 +41,12 @@ from tide.schedule.policy import (
     count_new_samples,
     decide,
     newest_version,
+    shift_env,
     watermark_after_success,
     watermark_of,
 )
-from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateStore
+from tide.schedule.shift import SIGNALS, ShiftWatch, publish_shift, shift_view
+from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, ShiftRecord, StateStore
 
 log = logging.getLogger(__name__)
 # Kubernetes enforces activeDeadlineSeconds itself and reports DeadlineExceeded; the scheduler
@@ -52,8 +57,9 @@ _K8S_DEADLINE_MARGIN_S = 120.0
 class RetrainScheduler:
     def __init__(self, cfg: Any, table: Any, store: StateStore, launcher: Launcher,
                  clock: Callable[[], float] = time.time, maintenance: Callable[[], Any] | None = None,
-                 maintenance_interval_s: float = 300.0) -> None:
-        """``cfg`` is the ScheduleConfig; ``table`` a DatasetTable (only version/counts_since are used)."""
+                 maintenance_interval_s: float = 300.0, shift_watch: ShiftWatch | None = None) -> None:
+        """``cfg`` is the ScheduleConfig; ``table`` a DatasetTable (version/counts_since, and for the
+        workload mix data_files/open_file); ``shift_watch`` defaults to one built from ``cfg``."""
         check_config(cfg)
         self.cfg = cfg
         self.table = table
@@ -69,7 +75,14 @@ class RetrainScheduler:
         self._started_s = clock()
         self._snapshot: dict[str, Any] = {"last_tick_s": None, "last_error": None}
         self._last_success_s: float | None = None
+        self.shift_watch = shift_watch or (ShiftWatch(cfg, table) if cfg.shift_detection else None)
+        self._last_shift_s: float | None = None
         metrics.SCHED_THRESHOLD.set(cfg.min_new_samples)
+        for signal in SIGNALS:
+            metrics.SCHED_SHIFTS.labels(signal)  # exported as 0 before any shift
+        metrics.SCHED_LAST_SHIFT.set(0)
+        metrics.SCHED_SECONDS_SINCE_SHIFT.set_function(
+            lambda: -1.0 if self._last_shift_s is None else time.time() - self._last_shift_s)
         metrics.SCHED_RETRAINS_LAUNCHED.labels(launcher.kind)  # exported as 0 before any launch
         for outcome in (JOB_SUCCEEDED, JOB_FAILED, JOB_TIMED_OUT):
             metrics.SCHED_RETRAINS_FINISHED.labels(outcome)
@@ -85,6 +98,7 @@ class RetrainScheduler:
                 self._orphans_checked = True
             elif not self._orphans_checked:
                 self._adopt_orphans(state, now)
+            self._watch_shift(state, now)
             watermark = watermark_of(state)
             new = count_new_samples(self.table, watermark, self.cfg.sample_unit,
                                     self.cfg.target_model)
@@ -111,6 +125,21 @@ class RetrainScheduler:
             log.info("dataset maintenance: %s", self.maintenance())
         except Exception:  # noqa: BLE001 - tried again next interval
             log.exception("dataset maintenance failed; trying again in %.0f s", self.maintenance_interval_s)
+
+    def _watch_shift(self, state: SchedulerState, now: float) -> None:
+        """Record a shift the first time a signal sees it (tide/schedule/shift.py)."""
+        if self.shift_watch is None:
+            return
+        found = self.shift_watch.check(now, state.shift)
+        if found is None:
+            return
+        if state.shift is not None and state.shift.pending:
+            return  # its retrain has not even launched: the same shift, seen again
+        record = ShiftRecord(found.signal, now, found.detail, list(found.workloads), found.since_s)
+        state.shifts = [*state.shifts, record][-max(1, self.cfg.history_max_jobs):]
+        metrics.SCHED_SHIFTS.labels(found.signal).inc()
+        log.warning("workload shift detected (%s): %s; the next retrain launches at %d new %s",
+                    found.signal, found.detail, self.cfg.shift_min_new_samples, self.cfg.sample_unit)
 
     def _check_running(self, state: SchedulerState, now: float) -> None:
         job = state.running
@@ -151,6 +180,9 @@ class RetrainScheduler:
             run_id=None if result.get("run_id") is None else str(result["run_id"]))
         state.running = None
         state.history = [*state.history, record][-max(1, self.cfg.history_max_jobs):]
+        shift = state.shift
+        if shift is not None and shift.job_id == job.job_id:
+            shift.status, shift.version = outcome.status, record.version
         if outcome.status == JOB_CANCELLED:  # stopped on purpose: no backoff for the next one
             log.warning("retrain %s cancelled (%s)", job.job_id, outcome.reason)
         elif outcome.succeeded:
@@ -169,6 +201,9 @@ class RetrainScheduler:
     def _launch(self, state: SchedulerState, now: float, new: int,
                 watermark: float | None) -> None:
         job_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{secrets.token_hex(3)}"
+        shift = state.shift if state.shift is not None and state.shift.pending else None
+        if shift is not None:  # this launch is the shift's retrain
+            shift.job_id, shift.launched_at_s = job_id, now
         margin = _K8S_DEADLINE_MARGIN_S if self.launcher.kind == "kubernetes" else 0.0
         state.running = RunningJob(
             job_id, self.launcher.kind, now, now + self.cfg.job_timeout_s + margin,
@@ -176,7 +211,7 @@ class RetrainScheduler:
         state.launched_total += 1
         self.store.checkpoint(state)  # the intent survives a crash during launch
         spec = JobSpec(job_id, self.jobs_dir / f"{job_id}.result.json",
-                       self.jobs_dir / f"{job_id}.log")
+                       self.jobs_dir / f"{job_id}.log", shift_env(self.cfg, shift) if shift else {})
         try:
             state.running.handle = self.launcher.launch(spec)
         except Exception as exc:  # noqa: BLE001 - recorded as a failure; backoff applies
@@ -185,7 +220,8 @@ class RetrainScheduler:
                          now)
             return
         metrics.SCHED_RETRAINS_LAUNCHED.labels(self.launcher.kind).inc()
-        log.info("retrain %s launched (%d new %s)", job_id, new, self.cfg.sample_unit)
+        log.info("retrain %s launched (%d new %s%s)", job_id, new, self.cfg.sample_unit,
+                 f"; the shift's: {spec.env}" if shift else "")
 
     def _adopt_orphans(self, state: SchedulerState, now: float) -> None:
         try:
@@ -207,13 +243,17 @@ class RetrainScheduler:
         last = state.last_success
         self._last_success_s = last.finished_at_s if last is not None else None
         metrics.SCHED_NEW_SAMPLES.set(decision.new_samples)
+        metrics.SCHED_THRESHOLD.set(decision.threshold)
         metrics.SCHED_RUNNING.set(1 if state.running is not None else 0)
+        self._last_shift_s = state.shift.detected_at_s if state.shift is not None else None
+        publish_shift(state, self.shift_watch.mix.shares if self.shift_watch is not None else {})
         metrics.SCHED_CONSECUTIVE_FAILURES.set(state.consecutive_failures)
         metrics.SCHED_LAST_SUCCESS.set(last.finished_at_s if last is not None else 0)
         with self._snapshot_lock:
             self._snapshot = {
                 "last_tick_s": now, "last_error": None, "decision": decision.reason,
-                "new_samples": decision.new_samples, "threshold": self.cfg.min_new_samples,
+                "new_samples": decision.new_samples, "threshold": decision.threshold,
+                "shift": shift_view(state, now),
                 "wait_s": round(decision.wait_s, 3),
                 "running": state.running.job_id if state.running is not None else None,
                 "consecutive_failures": state.consecutive_failures,
@@ -281,7 +321,8 @@ def build_launcher(cfg: Any, config_path: str | None, state_path: Path) -> Launc
     kind = cfg.schedule.launcher
     if kind == "local":
         return LocalLauncher(cfg.schedule.command, config_path, state_path,
-                             kill_grace_s=cfg.schedule.kill_grace_s)
+                             kill_grace_s=cfg.schedule.kill_grace_s, cpus=cfg.schedule.local_cpus,
+                             nice=cfg.schedule.local_nice)
     if kind == "kubernetes":
         return KubernetesLauncher(cfg.schedule, job_env(cfg))
     raise ValueError(f"schedule.launcher: unknown launcher {kind!r}; known: local, kubernetes")

@@ -58,6 +58,27 @@ class FinishedJob:
 
 
 @dataclass
+class ShiftRecord:
+    """A detected workload shift (tide/schedule/shift.py) and the retrain it triggered."""
+
+    signal: str  # workload_mix | acceptance_drop
+    detected_at_s: float
+    detail: str  # what changed, in words
+    workloads: list[str] = field(default_factory=list)  # the workloads that grew (mix signal)
+    # capture time where the new traffic starts (mix: its oldest row; acceptance: the reading's start)
+    since_s: float | None = None
+    job_id: str | None = None  # the retrain it triggered (None: not launched yet)
+    launched_at_s: float | None = None
+    status: str | None = None  # that retrain's outcome once it ended
+    version: str | None = None  # the version it registered
+
+    @property
+    def pending(self) -> bool:
+        """Detected, its retrain not launched yet: the next launch is the shift's."""
+        return self.job_id is None
+
+
+@dataclass
 class SchedulerState:
     running: RunningJob | None = None
     last_success: FinishedJob | None = None
@@ -65,6 +86,11 @@ class SchedulerState:
     last_failure_at_s: float | None = None
     launched_total: int = 0
     history: list[FinishedJob] = field(default_factory=list)  # newest last
+    shifts: list[ShiftRecord] = field(default_factory=list)  # detected shifts, newest last
+
+    @property
+    def shift(self) -> ShiftRecord | None:
+        return self.shifts[-1] if self.shifts else None
 
     def to_json(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, **asdict(self)}
@@ -80,7 +106,8 @@ class SchedulerState:
                    consecutive_failures=int(data.get("consecutive_failures", 0)),
                    last_failure_at_s=data.get("last_failure_at_s"),
                    launched_total=int(data.get("launched_total", 0)),
-                   history=[FinishedJob(**_v2(h)) for h in data.get("history", [])])
+                   history=[FinishedJob(**_v2(h)) for h in data.get("history", [])],
+                   shifts=[ShiftRecord(**h) for h in data.get("shifts", [])])
 
 
 def _v2(job: dict | None) -> dict | None:
@@ -143,3 +170,29 @@ class StateStore:
     def checkpoint(self, state: SchedulerState) -> None:
         """Save inside a transaction before a step that may not return (a launch)."""
         self.save(state)
+
+
+def jobs_report(state_path: str | Path, shift_at_s: float | None = None) -> list[dict[str, Any]]:
+    """The finished retrains of a state file with what their result files say (beside it, in
+    ``jobs/``): launched and finished seconds after ``shift_at_s`` (a unix time, when given), wall
+    and training seconds, CPU seconds and share of the machine, the CPUs it ran on, its version."""
+    from tide.schedule.launcher import read_result
+
+    state = StateStore(state_path).load()
+    shift_jobs = {s.job_id for s in state.shifts}
+    out = []
+    for job in state.history:
+        result, _ = read_result(Path(state_path).parent / "jobs" / f"{job.job_id}.result.json")
+        m = result.get("metrics") or {}
+        wall_s = job.finished_at_s - job.started_at_s
+        cpu_s = m.get("cpu_s")
+        out.append({
+            "job": job.job_id, "shift": job.job_id in shift_jobs, "status": job.status, "version": job.version,
+            "launched_after_shift_s": None if shift_at_s is None else round(job.started_at_s - shift_at_s, 1),
+            "finished_after_shift_s": None if shift_at_s is None else round(job.finished_at_s - shift_at_s, 1),
+            "wall_s": round(wall_s, 1), "train_wall_s": m.get("train_wall_s"),
+            "train_tokens": m.get("train_tokens_seen"), "recent_requests": m.get("recent_requests"),
+            "replay_requests": m.get("replay_requests"), "cpu_s": cpu_s, "cpus": m.get("cpus"),
+            "machine_share": None if cpu_s is None else round(cpu_s / max(1e-9, wall_s * (os.cpu_count() or 1)), 3),
+            "sim_accept": [m.get("champion_sim_accept_length"), m.get("candidate_sim_accept_length")]})
+    return out

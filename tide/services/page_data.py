@@ -2,7 +2,8 @@
 
 Sources: the stack's Prometheus (the recording rules of ``dashboards/prometheus-rules.yml``
 and the expressions of ``tide.json``, so the page and the Grafana dashboard agree), the scheduler's
-``/health`` and state file (retrain state and history), the MLflow registry (versions, aliases),
+``/health`` and state file (retrain state and history; the workload shift it detected, which
+signal, when, and the retrain it triggered: also marked on the chart), the MLflow registry (versions, aliases),
 the alias owner's fleet view (every engine replica x the drafter version it serves, tide/ops/fleet.py),
 and the marks file under ``<home>/run`` where the demo notes the workload shift (Prometheus has
 no series for "the traffic changed"; swaps it does have: ``tide_engine_drafter_info``).
@@ -111,7 +112,8 @@ def acceptance(src: Sources, window_s: float, now_s: float) -> Panel:
         for labels, points in prometheus.query_range(base, prometheus.ACCEPT_SERIES, start_s, end_s, step_s):
             if points:
                 p.series[labels.get("drafter_version", "?")] = points
-        p.marks = _swaps(base, start_s, end_s, step_s) + [m for m in read_marks(src.home) if m[0] >= start_s]
+        p.marks = _swaps(base, start_s, end_s, step_s) + [m for m in read_marks(src.home) + _detections(src)
+                                                           if m[0] >= start_s]
         p.has_data = bool(p.series)
         p.reason = "" if p.has_data else f"no samples of {prometheus.ACCEPT_SERIES} yet (no traffic?)"
     return _guarded("acceptance", "Acceptance length by drafter version (tokens per target forward)", fill)
@@ -123,6 +125,38 @@ def _swaps(base: str, start_s: float, end_s: float, step_s: float) -> list[tuple
                     for labels, points in prometheus.query_range(base, SERVING_EXPR, start_s, end_s, step_s)
                     if points)
     return [(t, "swap", f"swap to v{v}") for t, v in firsts[1:]]
+
+
+def _detections(src: Sources) -> list[tuple[float, str, str]]:
+    """The scheduler's detected shifts as chart marks (its state file)."""
+    from tide.schedule.state import StateStore
+
+    if src.state_path is None:
+        return []
+    return [(s.detected_at_s, "detected", f"shift detected ({s.signal})")
+            for s in StateStore(src.state_path).load().shifts]
+
+
+def shift(src: Sources) -> Panel:
+    """The last workload shift the scheduler detected: the signal, when, the time since, what
+    changed, and the retrain it triggered (the scheduler's /health)."""
+    def fill(p: Panel) -> None:
+        if not src.scheduler_url:
+            raise RuntimeError("no scheduler address given")
+        view = httpx.get(f"{src.scheduler_url}/health", timeout=3.0).json().get("shift")
+        p.has_data = True
+        if view is None:
+            p.rows = [("detected", "no shift detected yet")]
+            return
+        launched = view.get("launched_after_s")
+        p.rows = [("detected", f"{time.strftime('%H:%M:%S', time.localtime(view['detected_at_s']))} "
+                               f"by {view['signal'].replace('_', ' ')}"),
+                  ("time since", f"{view['since_detected_s']:.0f} s"), ("what changed", view["detail"]),
+                  ("retrain it triggered", view.get("retrain_job") or "not launched yet"),
+                  ("launched", "-" if launched is None else f"{launched:.0f} s after the detection"),
+                  ("retrain state", view["retrain_state"]),
+                  ("version it registered", view.get("retrain_version") or "-")]
+    return _guarded("shift", "Workload shift: detected, and the retrain it triggered", fill)
 
 
 def samples(src: Sources) -> Panel:
@@ -219,5 +253,5 @@ def ingest(src: Sources) -> Panel:
 
 def gather(src: Sources, window_s: float) -> list[Panel]:
     now_s = time.time()
-    return [acceptance(src, window_s, now_s), samples(src), retrain(src), registry(src), fleet(src),
+    return [acceptance(src, window_s, now_s), shift(src), samples(src), retrain(src), registry(src), fleet(src),
             capture(src), ingest(src)]

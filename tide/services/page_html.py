@@ -8,7 +8,7 @@ from html import escape
 from tide.services.page_data import Panel
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
-MARK_COLORS = {"swap": "#ff7f0e", "shift": "#555"}
+MARK_COLORS = {"swap": "#ff7f0e", "shift": "#555", "detected": "#9467bd"}
 CHART_W_PX, CHART_H_PX, PAD_PX = 760, 260, 40
 
 STYLE = """body{font-family:sans-serif;margin:1.5em;max-width:60em}

@@ -196,8 +196,8 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
         trained.metrics["load_s"] = inputs.loaded_at - t_start
         with memory.phase("register"):
             info = _register(cfg, registry, run, inputs, trained, code, work)
-        trained.metrics.update({"total_s": time.monotonic() - t_start, **memory.metrics()})
-        run.log_metrics({"total_s": trained.metrics["total_s"], **memory.metrics()})
+        trained.metrics.update({"total_s": time.monotonic() - t_start, **memory.metrics(), **_cpu_use()})
+        run.log_metrics({"total_s": trained.metrics["total_s"], **memory.metrics(), "cpu_s": trained.metrics["cpu_s"]})
         run.finish("FINISHED")
     except BaseException as exc:
         _finish_quietly(run, "KILLED" if isinstance(exc, (RetrainInterrupted, KeyboardInterrupt)) else "FAILED")
@@ -208,6 +208,16 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
     log.info("retrain: registered %s version %d as %s", registry.model_name, info.version, CHALLENGER)
     metrics = {**summary, **trained.metrics, "auto_promotion": _auto_promote(registry, cfg)}
     return RetrainResult(RETRAIN_REGISTERED, info.version, run.run_id, metrics, data_version=plan.data_version)
+
+
+def _cpu_use() -> dict:
+    """CPU seconds this job used (its ranks and helpers included), the CPUs it may run on and its
+    niceness: what it took from the machine it shares with the engine (schedule.local_cpus)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"cpu_s": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
+            "cpus": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 def _too_few(tc, train: int, heldout: int, what: str) -> str:

@@ -8,16 +8,17 @@ columns (ids, times, token counts; never hidden states):
    version's files for the target model (from the log) and catalog every request whose chunks are
    all present (capture time, tokens, generated tokens, files holding it), less requests
    ``tide data delete`` tombstoned since (deletion wins over reproducibility);
-2. the recent window = the newest ``window_samples`` requests, else those captured within
-   ``window_s`` of the newest one, else everything;
+2. the recent window = the requests captured since ``window_since_s`` (the scheduler's first
+   retrain after a workload shift: the new traffic), else the newest ``window_samples`` requests,
+   else those captured within ``window_s`` of the newest one, else everything;
 3. held out = requests whose id hashes below ``heldout_fraction`` (``is_heldout``: a fixed
    partition of the whole dataset, so a held-out request is never trained on by any retrain);
    if the window has fewer than ``min_heldout_samples`` of them, the newest held-out requests
    before the window top it up (never a training request: that would leak between retrains);
    the newest ``heldout_max_samples`` of them are evaluated;
 4. recent training requests = the rest of the window, newest first up to ``max_train_tokens``;
-5. replay = ``replay_ratio`` x that many requests drawn from older, not-held-out requests by a
-   seeded hash, a few files at a time (``_replay_sample``: loading them reads a bounded number
+5. replay = ``replay_ratio`` x that many requests drawn from every not-held-out request older
+   than the recent ones (before the window, or in it past the token cap) by a seeded hash, a few files at a time (``_replay_sample``: loading them reads a bounded number
    of files, not the whole past; deterministic for a given seed).
 ``load_window`` then streams only the files holding chosen requests through ``DatasetReader``
 and keeps the chosen ones as trainer ``Sample``s in bfloat16 (what was stored); with a
@@ -69,6 +70,7 @@ class WindowSpec:
 
     window_samples: int = 0
     window_s: float = 0.0
+    window_since_s: float = 0.0
     replay_ratio: float = 0.25
     heldout_fraction: float = 0.1
     heldout_max_samples: int = 64
@@ -84,6 +86,7 @@ class WindowSpec:
     def from_config(cls, train_cfg, target_model: str | None = None,
                     until_s: float | None = None, version: int | None = None) -> "WindowSpec":
         return cls(window_samples=train_cfg.window_samples, window_s=train_cfg.window_s,
+                   window_since_s=train_cfg.window_since_s,
                    replay_ratio=train_cfg.replay_ratio, heldout_fraction=train_cfg.heldout_fraction,
                    heldout_max_samples=train_cfg.heldout_max_samples,
                    min_heldout_samples=train_cfg.min_heldout_samples,
@@ -192,7 +195,9 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
     version = spec.version if spec.version is not None else table.version()
     deleted = Tombstones(table.location).ids() if version is not None else set()
     entries = [e for e in catalog(table, version, spec.target_model, spec.until_s) if e.request_id not in deleted]
-    if spec.window_samples > 0:
+    if spec.window_since_s > 0:
+        start = next((i for i, e in enumerate(entries) if e.finished_at_s >= spec.window_since_s), len(entries))
+    elif spec.window_samples > 0:
         start = max(0, len(entries) - spec.window_samples)
     elif spec.window_s > 0 and entries:
         cutoff = entries[-1].finished_at_s - spec.window_s
@@ -213,16 +218,20 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
     def cost(e: RequestEntry) -> int:
         return min(e.tokens, spec.max_seq_len)
 
-    recent, recent_tokens = [], 0
-    for e in reversed(window):
+    recent, recent_tokens, first_recent = [], 0, len(entries)
+    for i in range(len(entries) - 1, start - 1, -1):
+        e = entries[i]
         if e.request_id in held:
             continue
         if spec.max_train_tokens and recent and recent_tokens + cost(e) > spec.max_train_tokens:
             break
         recent.append(e)
         recent_tokens += cost(e)
+        first_recent = i
     recent.reverse()
-    pool = [e for e in older if e.request_id not in held]
+    # everything older than the recent requests may be replayed: a window the token cap cut keeps
+    # its older part as replay instead of dropping it (a code-only recent set still sees the chat)
+    pool = [e for e in entries[:first_recent] if e.request_id not in held]
     n_replay = min(len(pool), int(math.floor(spec.replay_ratio * len(recent) + 0.5)))
     replay = _replay_sample(pool, n_replay, spec.seed)
     chosen = {"recent": recent, "replay": replay, "heldout": evaluated}

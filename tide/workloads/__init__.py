@@ -30,7 +30,7 @@ BUILTIN_WORKLOADS = ("chat", "code", "korean", "sharegpt-code")
 
 __all__ = ["BUILTIN_WORKLOADS", "HELDOUT_PER_MILLE", "SPLITS", "Prompt", "WorkloadError", "code",
            "korean", "load_jsonl_workload", "load_workload", "select", "sharegpt", "split_of",
-           "write_jsonl_workload"]
+           "workload_name", "write_jsonl_workload"]
 
 
 def load_workload(name: str, split: str = "train", n: int | None = None, seed: int = 0,
@@ -52,3 +52,13 @@ def load_workload(name: str, split: str = "train", n: int | None = None, seed: i
     if path.suffix == ".jsonl" or path.is_file():
         return load_jsonl_workload(path, n=n)
     raise WorkloadError(f"unknown workload {name!r}: use one of {BUILTIN_WORKLOADS} or a .jsonl file")
+
+
+def workload_name(name: str) -> str:
+    """What people call a workload: a built-in's name; for a JSONL file, the one ``workload`` tag its
+    records carry (what the engine's metrics and the captured rows say), else the file's stem."""
+    if name in BUILTIN_WORKLOADS:
+        return name
+    path = Path(name)
+    tags = {p.workload for p in load_jsonl_workload(path)}
+    return tags.pop() if len(tags) == 1 else path.stem

@@ -65,6 +65,29 @@ def test_time_window_token_cap_and_until(dataset):
     assert early.catalog_requests == 50 and early.window_end_s == T0 + 49
 
 
+def test_a_window_since_a_shift_replays_the_traffic_before_it(dataset):
+    """The first retrain after a workload shift: recent = what came since the shift, replay = before."""
+    data_dir, _, _ = dataset
+    plan = plan_window(data_dir, WindowSpec(window_since_s=T0 + 3600 + 30, replay_ratio=1.0, heldout_fraction=0.2,
+                                            target_model="org/m"))
+    assert plan.window_start_s == T0 + 3630 and plan.window_requests == 30
+    assert plan.recent and all(r.startswith("code") and int(r.split("-")[1]) >= 30 for r in plan.recent)
+    assert len(plan.replay) == len(plan.recent) and not set(plan.replay) & set(plan.recent + plan.heldout)
+    assert all(r.startswith("chat") or int(r.split("-")[1]) < 30 for r in plan.replay)
+
+
+def test_a_window_cut_by_the_token_cap_replays_its_older_part(dataset):
+    """A window holding everything (window_s 2 h) cut to its newest 200 tokens: the rest is replayed,
+    never dropped (a code-only recent set still sees the chat before it)."""
+    data_dir, _, _ = dataset
+    plan = plan_window(data_dir, WindowSpec(window_s=7200, max_train_tokens=200, replay_ratio=2.0,
+                                            heldout_fraction=0.2, target_model="org/m"))
+    assert plan.window_requests == 160 and plan.recent_tokens <= 200
+    assert len(plan.replay) == 2 * len(plan.recent) and not set(plan.replay) & set(plan.recent)
+    assert any(r.startswith("chat") for r in plan.replay)
+    assert all(heldout_score(r) >= 0.2 for r in plan.replay)
+
+
 def test_heldout_topped_up_from_older_heldout_requests(dataset):
     data_dir, _, _ = dataset
     plan = plan_window(data_dir, WindowSpec(window_samples=6, heldout_fraction=0.1, min_heldout_samples=4,

@@ -1,0 +1,168 @@
+"""The in-domain reference: how much of the possible gain one retrain recovers after a shift.
+
+A drafter trained offline for the new traffic, the code workload, with the static recipe's method
+and compute (``tide/train/static.py``, ``--recipe large`` by default: the target answers the
+training split's prompts itself, the draft vocab comes from ShareGPT text plus those answers, a
+fresh drafter trains on the recipe's ranks, batches, precision and wall-time cap, and gets its
+confidence head), is compared on held-out code with the static drafter and an adapted one (a
+demo's registered version, ``--adapted``). The code workload's training split holds 3636
+prompts, fewer than the chat recipe's 5600: generation then costs less, and the training half
+(the wall cap) the same.
+
+Steps:
+1. the reference: ``$TIDE_HOME/drafters/in-domain-code-<recipe>`` when it was trained with this
+   recipe, else trained (answers cached in chunks under ``$TIDE_HOME/train-cache/in-domain-code``:
+   an interrupted run resumes, and never in CI: the large recipe takes ~1.4 h and ~2.4 CPU-hours
+   here);
+2. the comparison (``tide.report.compare``, as the demo's): the demo's held-out code prompts (seed
+   13), greedy, the served draft length, stop rule and siblings, every drafter on every prompt;
+   tokens per target forward and decode tok/s of each, and each ratio with its 90% paired
+   bootstrap interval over prompts. The figure: adapted / in-domain.
+
+    python -m bench.in_domain --adapted <folder of a demo's adapted version> [--prompts 24] [--json out.json]
+    python -m bench.in_domain --out /tmp/toy train_prompts=32 max_train_s=20 train_ranks=1 ...  (a toy size)
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from bench.recipe_variant import parse_overrides
+from bench.report import print_table, write_json
+from tide.comparison import load_prompts
+from tide.config import load_config
+from tide.drafter.artifact import TargetSpec, load_drafter, save_drafter
+from tide.drafter.static import static_drafter_path
+from tide.report import compare, ratio_interval
+from tide.train.offline import render_prompt
+from tide.train.static import RECIPES, StaticRecipe, build_drafter, fit, generation_chunks, prompt_samples
+
+WORKLOAD = "code"
+COMPARE_SEED = 13  # the demo comparison's draw of held-out code prompts (tide/comparison.py)
+
+
+def reference_folder(home: Path, recipe_name: str) -> Path:
+    return home / "drafters" / f"in-domain-{WORKLOAD}-{recipe_name}"
+
+
+def is_trained(folder: Path, recipe: StaticRecipe) -> bool:
+    """A reference trained with exactly this recipe (its tide.json says so)."""
+    try:
+        meta = json.loads((folder / "tide.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("metadata", meta).get("recipe") == json.loads(json.dumps(asdict(recipe)))
+
+
+def train_reference(cfg, recipe: StaticRecipe, out: Path, cache: Path) -> dict:
+    """The static recipe on the code workload's training split (step 1); returns its metadata."""
+    from tide import workloads
+    from tide.drafter.confidence import frozen
+    from tide.models.target import eos_ids_of, load_target
+    from tide.train.confidence import fit_confidence
+    from tide.train.generation_pool import TargetSource
+
+    torch.manual_seed(recipe.seed)
+    target, tok, folder = load_target(cfg)
+    eos, home = eos_ids_of(tok, folder), cfg.home_path
+    cache.mkdir(parents=True, exist_ok=True)
+    source = TargetSource(str(folder), target.aux_layer_ids, cfg.model.dtype, cfg.model.max_seq_len)
+    t0 = time.monotonic()
+    prompts = workloads.code("train", recipe.train_prompts, recipe.seed, home=home)
+    samples = []
+    for a, b in generation_chunks(len(prompts), recipe.generation_chunk):
+        samples += prompt_samples(target, tok, eos, prompts[a:b], recipe, cache,
+                                  f"train-{a}-{b}x{recipe.max_new_tokens}", recipe.train_on_prompt, source=source)
+    held = prompt_samples(target, tok, eos, workloads.code("heldout", recipe.heldout_prompts, recipe.seed, home=home),
+                          recipe, cache, f"heldout-{recipe.heldout_prompts}x{recipe.max_new_tokens}", False,
+                          source=source)
+    generation_s = time.monotonic() - t0
+    drafter = build_drafter(target, tok, eos, recipe, samples, home)
+    result, _, after = fit(drafter, target, samples, held, recipe, scratch_dir=cache)
+    confidence = {}
+    if recipe.confidence_head:
+        head, confidence = fit_confidence(drafter, target.embed_weight, target.lm_head_weight, samples, held,
+                                          depth=recipe.gamma, batch_tokens=recipe.batch_tokens, seed=recipe.seed)
+        drafter.confidence = frozen(head)
+    meta = {"version": f"in-domain-{WORKLOAD}", "workload": WORKLOAD, "recipe": asdict(recipe),
+            "train_prompts": len(prompts), "train_tokens": sum(len(s) for s in samples),
+            "loss_tokens": int(sum(float(s.loss_mask.sum()) for s in samples)),
+            "generation_s": round(generation_s, 1), "train_s": round(result.wall_s, 1), "train_steps": result.steps,
+            "heldout_sim_accept_length": round(after.accept_length, 4),
+            "heldout_replayed_accept_length": round(after.replayed_accept_length, 4),
+            "target": cfg.model.model_id, "confidence": confidence}
+    save_drafter(drafter, out, metadata=meta, dtype=torch.bfloat16)
+    return meta
+
+
+def ratios(res: dict, a: str, b: str) -> dict:
+    """``a`` over ``b`` in tokens per forward and tok/s, each with its 90% interval."""
+    return {m: {"ratio": getattr(res[a], m) / getattr(res[b], m), "interval_90": ratio_interval(res[a], res[b], m)}
+            for m in ("tokens_per_forward", "tokens_per_s")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--adapted", type=Path, default=None, help="an adapted drafter folder (a demo's registered version)")
+    ap.add_argument("--recipe", default="large", choices=sorted(RECIPES))
+    ap.add_argument("--out", type=Path, default=None, help="the reference's folder (default: under $TIDE_HOME/drafters)")
+    ap.add_argument("--prompts", type=int, default=24, help="held-out code prompts compared")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("overrides", nargs="*", help="recipe fields, key=value (a toy size; the figure uses none)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = load_config(None)
+    try:  # the recipe checks its own fields when made
+        recipe = replace(RECIPES[args.recipe], **parse_overrides(args.overrides, RECIPES[args.recipe]))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    # a recipe with overrides (a toy size) gets a folder of its own, never the figure's
+    name = args.recipe + ("-" + hashlib.sha256(" ".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else "")
+    out = args.out or reference_folder(cfg.home_path, name)
+    if is_trained(out, recipe):
+        print(f"in-domain reference: {out} (trained before with this recipe)")
+    else:
+        meta = train_reference(cfg, recipe, out, cfg.home_path / "train-cache" / f"in-domain-{WORKLOAD}")
+        print(f"in-domain reference trained: {out}\n" + json.dumps({k: v for k, v in meta.items() if k != "recipe"}))
+    return report(cfg, out, args)
+
+
+def report(cfg, reference: Path, args) -> int:
+    """Step 2: static, adapted and in-domain on the same held-out code prompts."""
+    from tide.models.target import load_target
+
+    target, tok, _ = load_target(cfg)
+    spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
+    drafters = {"static": load_drafter(static_drafter_path(cfg), spec), "in_domain": load_drafter(reference, spec)}
+    if args.adapted is not None:
+        drafters["adapted"] = load_drafter(args.adapted, spec)
+    prompts = [render_prompt(tok, p.chat_messages(), 256)
+               for p in load_prompts(WORKLOAD, "heldout", args.prompts, COMPARE_SEED)]
+    res = compare(target, drafters, {WORKLOAD: prompts}, args.max_new_tokens, cfg.spec.draft_len, progress=print,
+                  stop_prob=cfg.spec.draft_stop_prob, siblings=cfg.spec.draft_siblings)[WORKLOAD]
+    out = {"reference": str(reference), "adapted": str(args.adapted) if args.adapted else None,
+           "prompts": len(prompts), "modes": {m: r.as_dict() for m, r in res.items()},
+           "ratios": {f"{a}_over_{b}": ratios(res, a, b)
+                      for a, b in (("adapted", "in_domain"), ("static", "in_domain"), ("adapted", "static"))
+                      if a in res and b in res}}
+    rows = [("mode", "tokens/forward", "tok/s", "identical to target")]
+    rows += [(m, f"{r.tokens_per_forward:.3f}", f"{r.tokens_per_s:.2f}", f"{r.identical_to_target}/{r.prompts}")
+             for m, r in res.items()]
+    rows += [(k, *(f"{v[m]['ratio']:.3f} ({v[m]['interval_90'][0]:.3f}-{v[m]['interval_90'][1]:.3f})"
+                   for m in ("tokens_per_forward", "tokens_per_s")), "") for k, v in out["ratios"].items()]
+    print_table(f"held-out {WORKLOAD}: {len(prompts)} prompts x {args.max_new_tokens} tokens", rows)
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
