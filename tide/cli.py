@@ -72,6 +72,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return ingest_main(_service_argv(args))
 
 
+def cmd_drafter_serve(args: argparse.Namespace) -> int:
+    from tide.services.drafter import main as drafter_main
+
+    return drafter_main(_service_argv(args))
+
+
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from tide.services.scheduler import main as scheduler_main
 
@@ -227,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn, what in (("serve", cmd_serve, "run the engine's HTTP server (python -m tide.services.engine)"),
                            ("ingest", cmd_ingest, "run ingest: Kafka to Parquet (python -m tide.services.ingest)"),
                            ("scheduler", cmd_scheduler,
-                            "run the retrain scheduler (python -m tide.services.scheduler)")):
+                            "run the retrain scheduler (python -m tide.services.scheduler)"),
+                           ("drafter-serve", cmd_drafter_serve,
+                            "run the drafter service: one drafter for several engines (python -m tide.services.drafter)")):
         # no -h of its own: `tide serve --help` is the service's help, with the service's flags
         p = sub.add_parser(name, help=what + "; takes the service's flags", add_help=False)
         p.set_defaults(fn=fn, passes_flags=True)

@@ -74,8 +74,18 @@ class SpecConfig:
     # dspark: the probe interval until a newly served drafter has ops.guard_window_forwards verified
     # rows, so the collapse guard judges (and rolls back) a broken drafter within a bound (>= 1)
     judge_probe_steps: int = 4
+    # the drafter as its own service (tide/drafting/): "" = the engine drafts itself (default);
+    # ipc:///path (one host: shared memory) or tcp://host:port (ZeroMQ) = drafts come from there
+    drafter_service: str = ""
+    # a step waits at most this for the service's drafts, else it runs target-only (lossless, counted)
+    drafter_service_deadline_s: float = 0.2
+    drafter_service_retry_s: float = 1.0  # while the service is down: ping it this often
 
     def __post_init__(self) -> None:
+        if self.drafter_service and not self.drafter_service.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"spec.drafter_service must be ipc:///path or tcp://host:port, got {self.drafter_service!r}")
+        if self.drafter_service_deadline_s <= 0 or self.drafter_service_retry_s <= 0:
+            raise ConfigError("spec.drafter_service_deadline_s and spec.drafter_service_retry_s must be > 0")
         if self.draft_len < 1:
             raise ConfigError(f"spec.draft_len must be >= 1, got {self.draft_len}")
         if not 0.0 <= self.draft_stop_prob <= 1.0:
@@ -433,6 +443,25 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class DrafterServiceConfig:
+    """The drafter service (``tide drafter-serve``): one drafter drafting for several engines."""
+
+    host: str = "127.0.0.1"  # the network transport (ZeroMQ) listens here
+    port: int = 7400  # 0 = no network transport
+    ipc_path: str = ""  # the one-host transport's socket; empty = <home>/run/drafter.sock; "-" = none
+    metrics_port: int = 9104  # /metrics and /health; 0 = none
+    max_sessions: int = 256  # (engine, request) sessions held; past it the least recently used is evicted
+    session_idle_s: float = 600.0  # a session unused this long is freed (its engine never said it ended)
+    max_batch_rows: int = 32  # rows drafted in one batch across engines
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_batch_rows <= self.max_sessions:
+            raise ConfigError("drafter_service.max_batch_rows must be in 1..drafter_service.max_sessions")
+        if self.session_idle_s <= 0:
+            raise ConfigError(f"drafter_service.session_idle_s must be > 0, got {self.session_idle_s}")
+
+
+@dataclass(frozen=True)
 class SGLangConfig:
     """The SGLang engine (``tide serve --engine sglang``, tide/engine/sglang/): its server's command."""
 
@@ -462,6 +491,7 @@ class TideConfig:
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    drafter_service: DrafterServiceConfig = field(default_factory=DrafterServiceConfig)
     home: str = ""  # empty = default_home()
 
     @property

@@ -65,6 +65,17 @@ ENGINE_TARGET_ONLY_STEPS = Counter(
     "(cost: drafting would not pay at this load, or no row has a token budget left for a draft; gated: every row's workload has speculation off; measured: "
     "drafted steps at this batch size delivered fewer tokens/s than a target-only step)", ["reason"])
 
+# the reference engine's remote-drafter mode (tide/drafting/client.py)
+ENGINE_REMOTE_DRAFTER_UP = Gauge("tide_engine_remote_drafter_up",
+                                 "1 while the drafter service answers this engine (spec.drafter_service)")
+ENGINE_REMOTE_DRAFTER_FALLBACKS = Counter(
+    "tide_engine_remote_drafter_fallback_steps_total", "Decode steps run target-only because the drafter service "
+    "did not serve them (deadline: no reply in time; down: marked down, not asked; send_failed: its queue full or no "
+    "connection; version_change: drafts of a newly served version, switched to for the next step; error)", ["reason"])
+ENGINE_REMOTE_DRAFTER_SECONDS = Histogram(
+    "tide_engine_remote_drafter_round_trip_seconds", "From sending a step's rows to the drafter service to its drafts",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32))
+
 # --- engine HTTP front end (tide/engine/server.py) ----------------------------------------------
 HTTP_REQUESTS = Counter("tide_engine_http_requests_total", "HTTP requests answered, by route and status",
                         ["route", "status"])
@@ -188,6 +199,27 @@ SCHED_SHIFT_INFO = Gauge(
 SCHED_WORKLOAD_SHARE = Gauge("tide_scheduler_workload_token_share",
                              "Share of the newest captured tokens by workload tag (the mix the shift signal reads)",
                              ["workload"])
+
+# --- drafter service (tide/drafting/server.py, tide/services/drafter.py) -------------------------
+DRAFTER_SERVICE_INFO = Gauge("tide_drafter_service_drafter_info", "1 for the drafter version the service serves",
+                             ["drafter_version"])
+DRAFTER_SERVICE_REQUESTS = Counter(
+    "tide_drafter_service_requests_total", "Draft requests by outcome (drafted; superseded: the engine sent a newer "
+    "one before this was drafted; unknown_engine; invalid)", ["outcome"])
+DRAFTER_SERVICE_BATCH_ROWS = Histogram("tide_drafter_service_batch_rows", "Rows drafted in one batch (all engines)",
+                                       buckets=(1, 2, 4, 8, 16, 32, 64))
+DRAFTER_SERVICE_DRAFT_SECONDS = Histogram(
+    "tide_drafter_service_draft_seconds", "Seconds drafting one batch",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32))
+DRAFTER_SERVICE_QUEUE_SECONDS = Histogram(
+    "tide_drafter_service_queue_seconds", "From a draft request's arrival to its batch",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16))
+DRAFTER_SERVICE_UTILISATION = Gauge("tide_drafter_service_utilisation",
+                                    "Fraction of the last seconds the service spent drafting")
+DRAFTER_SERVICE_SESSIONS = Gauge("tide_drafter_service_sessions", "Sessions (engine, request) held")
+DRAFTER_SERVICE_ENGINES = Gauge("tide_drafter_service_engines", "Engines connected (said hello)")
+DRAFTER_SERVICE_EVICTED = Gauge("tide_drafter_service_sessions_evicted",
+                                "Sessions freed to make room since start (drafter_service.max_sessions)")
 
 # --- ops (swap watcher, collapse guard, promote/rollback) --------------------------------------
 OPS_SWAPS = Counter("tide_ops_swap_checks_total", "Champion checks by outcome (swapped/refused/not_applied/error)",

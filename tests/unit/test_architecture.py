@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tide.contracts",),  # what components exchange: stdlib only
     ("tide.config", "tide.redact", "tide.records", "tide.metrics", "tide.process", "tide.health_server"),
     ("tide.models", "tide.drafter", "tide.spec", "tide.workloads", "tide.dataset"),
-    ("tide.engine", "tide.capture", "tide.registry"),  # the engine knows nothing of ops/training
+    ("tide.engine", "tide.capture", "tide.registry", "tide.drafting"),  # the engine knows nothing of ops/training
     ("tide.ops", "tide.train", "tide.schedule", "tide.report", "tide.traffic", "tide.prometheus", "tide.broker"),
     # services: processes and commands, built over the library; the library never imports them
     ("tide.services", "tide.service", "tide.stack", "tide.comparison", "tide.demo", "tide.cli"),

@@ -63,7 +63,7 @@ def _parses(command: list[str], entry: list[str]) -> None:
 
 
 def test_the_top_level_folders_hold_what_they_promise():
-    assert set(SPECS) == {"engine", "engine-sglang", "ingest", "scheduler", "retrain", "page"}
+    assert set(SPECS) == {"engine", "engine-sglang", "ingest", "scheduler", "retrain", "page", "drafter"}
     assert sorted(p.name for p in (ROOT / "schemas").glob("*.json")) == ["parquet.schema.json",
                                                                          "record_value.schema.json"]
     assert {"tide.json", "prometheus-rules.yml", "prometheus-rules.test.yml"} <= {

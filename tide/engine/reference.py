@@ -6,7 +6,7 @@ One scheduler thread owns the model state. Each loop iteration:
 2. admit waiting requests into free cache slots: prefill each, emit its first token;
 3. run one batched step over all running requests (``speculative_step`` under the step's planner,
    or ``target_step`` when no drafter serves, the scheduler decides drafting does not pay
-   (tide/spec/policy.py), or the drafter failed this step), emit the committed tokens;
+   (tide/spec/policy.py), or the drafter (or the drafter service: tide/drafting/) failed this step);
 4. hand the committed positions to the capture sink (enqueue only), update stats/metrics;
 5. finish requests on a stop token, their token budget or the context limit, and free slots.
 Callers get a blocking iterator of TokenEvents; closing it early cancels the request.
@@ -31,7 +31,9 @@ from tide.config import MAX_DRAFT_SIBLINGS
 from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter, read_metadata
 from tide.drafter.confidence import Confidence, serving_head
 from tide.drafter.model import Eagle3Drafter, for_serving
+from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
+from tide.drafting.client import remote_drafter
 from tide.engine.accounting import EngineAccounting
 from tide.engine.base import (
     CaptureMeta,
@@ -64,7 +66,7 @@ class ReferenceEngine(Engine):
                  max_batch_size: int = 8, max_seq_len: int = 1024, eos_ids: tuple[int, ...] = (),
                  refeed_positions: int = 32, scheduler: str = "stop_rule", cost_model: StepCostModel | None = None,
                  gate_probe_steps: int = 64, profile_context: int = 128, draft_siblings: int = 0,
-                 pass_rows: int = PASS_ROWS, judge_rows: int = 200, judge_probe_steps: int = 4):
+                 pass_rows: int = PASS_ROWS, judge_rows: int = 200, judge_probe_steps: int = 4, remote=None):
         self.target = target
         self.tokenizer = tokenizer
         self.target_model_id = target_model_id
@@ -82,8 +84,8 @@ class ReferenceEngine(Engine):
         # every swapped-in drafter must keep the mapping the engine started with (t2d/d2t fixed)
         self._vocab_mapping = mapping_digest(drafter.d2t) if drafter is not None else None
         drafter = for_serving(drafter) if drafter is not None else None
-        self._drafter = drafter
-        self._version = drafter_version if drafter is not None else "none"
+        self._drafter, self._remote = drafter, remote  # remote: the drafter service's client, or None
+        self._version = remote.version if remote is not None else drafter_version if drafter is not None else "none"
         self._head, self._head_reason = self._serving_head(drafter)
         self._pending_swap: tuple[Eagle3Drafter | None, str] | None = None
         self._cache_len = max_seq_len + draft_len + draft_siblings + 2
@@ -176,11 +178,12 @@ class ReferenceEngine(Engine):
                 "last_swap_pause_s": self._last_swap_pause_s, "swap_error": self._swap_error,
                 "failure": self._failure, "confidence_head": {"in_use": self._head is not None,
                                                               "reason": self._head_reason},
-                **self._policy.view()}
+                **self._policy.view(), "drafter_service": self._remote.view() if self._remote else None}
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+        if self._remote is not None: self._remote.close()  # noqa: E701
 
     def _serving_head(self, drafter: Eagle3Drafter | None) -> tuple[Confidence | None, str]:
         """The confidence head this drafter serves with (tide/drafter/confidence.py), said once."""
@@ -239,7 +242,7 @@ class ReferenceEngine(Engine):
             return
         old = self._version
         self._drafter, self._dcache = drafter, dcache
-        self._version = version if drafter is not None else "none"
+        self._version = version if drafter is not None or self._remote is not None else "none"
         self._head, self._head_reason = self._serving_head(drafter)
         self._swap_error = None
         self._policy.drafter_changed(self._version)
@@ -333,9 +336,9 @@ class ReferenceEngine(Engine):
         else:
             forwards_s = stats.verify_s + stats.draft_s
         sent = [self._out.deliverable(self._out.running[s], res.committed)[0] for s, res in zip(slots, results)]
-        self._commit(slots, results, sent, drafted=stats is not None)
+        self._commit(slots, results, sent, drafter_ran=stats is not None or self._drafter is self._remote is None)
         # only rows with verified drafts are the drafter's acceptance (tide/engine/accounting.py)
-        self._acct.step(version, results, stats, has_drafter=self._drafter is not None)
+        self._acct.step(version, results, stats, has_drafter=self._drafter is not None or self._remote is not None)
         emitted = sum(self._out.emit(s, res.committed, self._version) for s, res in zip(slots, results))
         wall_s = time.perf_counter() - t0
         self._policy.observe_step_wall(len(slots), wall_s, forwards_s, stats is not None, emitted)
@@ -343,7 +346,7 @@ class ReferenceEngine(Engine):
 
     def _speculate(self, slots: list[int], rows: list[RowInput], workloads: list[str], gamma: int):
         """A drafted step's (results, stats) if the policy drafts and the drafter does not fail, else (None, None)."""
-        if self._drafter is None or gamma <= 0:
+        if self._drafter is self._remote is None or gamma <= 0:  # neither a drafter nor the drafter service
             return None, None
         # the switching cost a draft pays first: positions deferred by target-only steps or a swap
         # (a prompt's own feed is not counted: it buys the drafter the request's context)
@@ -354,9 +357,13 @@ class ReferenceEngine(Engine):
             return None, None
         for s in slots:  # only a drafted step needs the feed (a deferred one can be long)
             build_feed(self._out.running[s])
+        step = speculative_step if self._remote is None else self._remote.bind(  # drafts of another version:
+            self._out.running, slots, self._version, self.swap_drafter)  # switched to between steps, as a swap
         try:
-            results, stats = speculative_step(self.target, self._drafter, self._tcache, self._dcache, rows, gamma,
-                                              plan, self._head, self.draft_siblings, self.pass_rows)
+            results, stats = step(self.target, self._drafter, self._tcache, self._dcache, rows, gamma,
+                                  plan, self._head, self.draft_siblings, self.pass_rows)
+            if results is None:  # the drafter service did not serve this step in time
+                return None, None
             self._policy.observe_spec_step(workloads, stats, plan)
         except Exception:
             log.exception("drafter step failed; this step runs target-only")
@@ -364,32 +371,30 @@ class ReferenceEngine(Engine):
             return None, None
         return results, stats
 
-    def _commit(self, slots: list[int], results, sent: list[int], drafted: bool) -> None:
+    def _commit(self, slots: list[int], results, sent: list[int], drafter_ran: bool) -> None:
         """Each row's committed tokens and states into its history; the sent ones captured (enqueue only)."""
         caps = []
         for s, res, n in zip(slots, results, sent):
             r = self._out.running[s]
             if self._out.sink is not None and r.req.capture:
                 caps.append(captured(r, res, n))
-            advance(r, res, drafter_ran=drafted or self._drafter is None, refeed_positions=self.refeed_positions)
+            advance(r, res, drafter_ran=drafter_ran, refeed_positions=self.refeed_positions)
         self._out.offer(caps)  # once per step, for all its requests
 
 
 def build_engine(cfg) -> ReferenceEngine:
     """The reference engine from a TideConfig: target, tokenizer, and the configured drafter."""
-    from tide.drafter.static import static_drafter_path
-
     target, tokenizer, folder = load_target(cfg)
-    drafter, version = None, "none"
-    if cfg.spec.enabled:
+    drafter, version, remote = None, "none", remote_drafter(cfg, target.shape.vocab_size)  # spec.drafter_service
+    if cfg.spec.enabled and remote is None:
         path = static_drafter_path(cfg) if cfg.drafter.path == "static" else Path(cfg.drafter.path)
         spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
         drafter = load_drafter(path, spec)
         version = str(read_metadata(path).get("version", path.name))
     return ReferenceEngine(target, tokenizer, drafter, version, target_model_id=cfg.model.model_id,
                            draft_len=cfg.spec.draft_len, draft_stop_prob=cfg.spec.draft_stop_prob,
-                           max_batch_size=cfg.engine.max_batch_size,
-                           max_seq_len=cfg.model.max_seq_len, eos_ids=eos_ids_of(tokenizer, folder),
-                           refeed_positions=cfg.ops.refeed_positions, scheduler=cfg.spec.scheduler,
-                           gate_probe_steps=cfg.spec.gate_probe_steps, draft_siblings=cfg.spec.draft_siblings,
-                           judge_rows=cfg.ops.guard_window_forwards, judge_probe_steps=cfg.spec.judge_probe_steps)
+                           max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.model.max_seq_len,
+                           eos_ids=eos_ids_of(tokenizer, folder), refeed_positions=cfg.ops.refeed_positions,
+                           scheduler=cfg.spec.scheduler, gate_probe_steps=cfg.spec.gate_probe_steps,
+                           draft_siblings=cfg.spec.draft_siblings, judge_rows=cfg.ops.guard_window_forwards,
+                           judge_probe_steps=cfg.spec.judge_probe_steps, remote=remote)
