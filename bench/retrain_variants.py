@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 
 from bench.report import print_table, write_json
 from tide.comparison import load_prompts
-from tide.config import ConfigError, TrainConfig, load_config
+from tide.config import ConfigError, TrainConfig, load_config, replace
 from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_
 from tide.drafter.model import for_serving
 from tide.drafter.static import static_drafter_path
@@ -58,7 +57,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     name, sep, rest = text.partition(":")
     if not name or not sep:
         raise ValueError(f"{text!r}: expected name:key=value,... (name: alone = the home's settings)")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = set(TrainConfig.model_fields)
     overrides = {}
     for item in filter(None, rest.split(",")):
         key, _, value = (part.strip() for part in item.partition("="))
@@ -90,7 +89,7 @@ def retrain(cfg, parent, target, overrides: dict, until_s: float, spill: Path):
     """The parent retrained on the window as the online retrain does (the home's ``train.*`` with
     ``overrides``, validated as config); returns (candidate as trained, its update fraction, steps,
     train s, training requests)."""
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **overrides))
+    cfg = replace(cfg, train=replace(cfg.train, **overrides))
     tc = cfg.train
     data = load_window(data_dir_of(cfg), plan_for(cfg, until_s), tc.train_on_prompt, tc.max_seq_len, spill_dir=spill)
     try:
@@ -123,7 +122,7 @@ def parse_fractions(text: str) -> list[float]:
     """"1,0.8" -> [1.0, 0.8]; each must be a valid ``train.update_fraction``."""
     fractions = [float(f) for f in text.split(",") if f.strip()]
     for f in fractions:
-        dataclasses.replace(TrainConfig(), update_fraction=f)  # ConfigError names the rule
+        replace(TrainConfig(), update_fraction=f)  # ConfigError names the rule
     return fractions
 
 
@@ -152,7 +151,7 @@ def main() -> int:
     try:  # every variant checked (names, keys, values, config rules) before anything loads or trains
         variants = [parse_variant(v) for v in args.variant]
         for _, overrides in variants:
-            dataclasses.replace(TrainConfig(), **overrides)
+            replace(TrainConfig(), **overrides)
         fractions = parse_fractions(args.fractions)
     except (ValueError, ConfigError) as exc:
         ap.error(str(exc))

@@ -9,11 +9,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from tide.config import load_config
 from tide.redact import config_as_dict
 
 
 def _config(args: argparse.Namespace, **overrides):
+    from tide.config import load_config  # imported here: pydantic would add ~0.2 s to `tide --help`
+
     over: dict = {}
     for key, value in overrides.items():
         section, name = key.split("__")
@@ -86,7 +87,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 def cmd_ask(args: argparse.Namespace) -> int:
     """Load the engine in-process and answer one prompt; prints the text and acceptance stats."""
-    from tide.engine.base import GenerationRequest, SamplingParams
+    from tide.engine.base import GenerationRequest, SamplingParams, VersionAcceptance
     from tide.engine.reference import build_engine
     from tide.train.offline import render_prompt
 
@@ -98,9 +99,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         req = GenerationRequest("ask-1", tuple(ids), SamplingParams(max_new_tokens=args.max_tokens))
         out = [t for ev in engine.submit(req) for t in ev.token_ids]
         print(engine.tokenizer.decode(out, skip_special_tokens=True))
-        steps, accepted, committed = engine.stats().acceptance.get(engine.drafter_version, [0, 0, 0])
-        print(f"\n[drafter {engine.drafter_version}] {len(out)} tokens, {steps} target forwards, "
-              f"{committed / max(1, steps):.2f} tokens per forward", file=sys.stderr)
+        acc = engine.stats().acceptance.get(engine.drafter_version, VersionAcceptance())
+        print(f"\n[drafter {engine.drafter_version}] {len(out)} tokens, {acc.forwards} target forwards, "
+              f"{acc.tokens_per_forward:.2f} tokens per forward", file=sys.stderr)
     finally:
         engine.close()
     return 0

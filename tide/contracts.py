@@ -1,5 +1,6 @@
 """What TIDE's components exchange, defined once: record sizes, dead-letter reasons, retrain and job
-statuses, registry aliases and lineage tag names.
+statuses, registry aliases and lineage tag names, what capture takes from an engine and the
+acceptance counters engines report.
 
 Standard library only, so every process (engine, ingest, scheduler, a retrain Job, the CLI) can
 import it without torch, MLflow or Kafka. A value here is a wire or storage contract: changing
@@ -8,6 +9,7 @@ one changes what older records, result files, registry tags or dashboards mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # --- capture records (tide/records.py encodes them; ingest, the dataset and training read them) ---
 # bytes per stored hidden-state value, by storage dtype name
@@ -83,3 +85,54 @@ class CaptureMeta:
     workload: str | None
     prompt_len: int
     started_at_s: float
+
+
+@dataclass
+class StepCapture:
+    """Target tensors for the positions one step *committed* for one request.
+
+    ``token_ids[i]`` was fed to the target at position ``start_position + i``;
+    ``aux_hidden[i]`` ([3H], the inputs of the aux layers) and ``final_hidden[i]`` ([H], after the
+    final norm) are what the target computed there. Rejected draft positions are never included.
+    Tensors are references to the engine's step outputs (no copy on the hot path); sinks must not
+    modify them. They are torch tensors, typed loosely so this module needs no torch.
+    """
+
+    meta: CaptureMeta
+    start_position: int
+    token_ids: Any  # torch.Tensor [n] int64
+    aux_hidden: Any  # torch.Tensor [n, 3H]
+    final_hidden: Any  # torch.Tensor [n, H]
+    is_prompt: bool  # True for prefill positions (loss mask 0), False for generated ones
+    finished: bool = False  # the request ended after this step
+
+
+# --- an engine's acceptance per drafter version (engine stats, the drafter service's wire, ops) ---
+@dataclass(frozen=True)
+class VersionAcceptance:
+    """One drafter version's cumulative acceptance counters on one engine, since the engine started.
+
+    Only rows whose drafts the target verified count: a row decoded target-only while a drafter
+    serves says nothing about the drafter. With no drafter (version "none") every row counts.
+    ``forwards``: rows verified, one target forward of one request each (a step of B rows adds B);
+    ``accepted``: draft tokens the target accepted on them;
+    ``committed``: tokens those rows committed (the accepted drafts plus the target's own token).
+    ``committed / forwards`` is the acceptance length: tokens per target forward.
+    """
+
+    forwards: int = 0
+    accepted: int = 0
+    committed: int = 0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """The acceptance length (0.0 before any forward)."""
+        return self.committed / self.forwards if self.forwards else 0.0
+
+    def __add__(self, other: "VersionAcceptance") -> "VersionAcceptance":
+        return VersionAcceptance(self.forwards + other.forwards, self.accepted + other.accepted,
+                                 self.committed + other.committed)
+
+    def __sub__(self, other: "VersionAcceptance") -> "VersionAcceptance":
+        return VersionAcceptance(self.forwards - other.forwards, self.accepted - other.accepted,
+                                 self.committed - other.committed)

@@ -10,7 +10,6 @@ Rules (every log line and printed dump of configuration goes through ``config_as
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -50,7 +49,7 @@ def _field(key: str, value: Any) -> Any:
 
 def config_as_dict(cfg: Any) -> dict[str, Any]:
     """A whole TideConfig as plain data for logging at start, secrets redacted (rules above)."""
-    data = dataclasses.asdict(cfg)
+    data = cfg.model_dump()
     for name, section in data.items():
         if isinstance(section, dict):
             data[name] = {key: _field(key, value) for key, value in section.items()}

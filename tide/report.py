@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tide.contracts import VersionAcceptance
 from tide.drafter.model import for_serving
 from tide.models.llama import LlamaTarget
 from tide.spec.generate import generate
@@ -130,8 +131,8 @@ def compare_served(engines: dict, prompts_by_workload: dict[str, list[list[int]]
 
 def _counters(engine) -> tuple[int, int]:
     """(target forwards, tokens committed) of the engine's serving drafter so far."""
-    steps, _accepted, committed = engine.stats().acceptance.get(engine.drafter_version, (0, 0, 0))
-    return steps, committed
+    acc = engine.stats().acceptance.get(engine.drafter_version, VersionAcceptance())
+    return acc.forwards, acc.committed
 
 
 def speculation_timeline(events: list[dict], t0_unix: float) -> dict[str, list[dict]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tide.config import ConfigError, TideConfig, load_config
 from tide.redact import config_as_dict
 
-CONFIG_HELP = "YAML config file (sections as in tide/config.py)"
+CONFIG_HELP = "YAML config file (sections as in tide/config/)"
 
 
 @dataclass(frozen=True)

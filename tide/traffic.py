@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 import httpx
 
+from tide.metrics_text import Families, MetricsTextError, by_label, parse
 from tide.workloads import Prompt
 
 
@@ -85,28 +86,17 @@ def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_token
     return result
 
 
-def _by_version(metrics_text: str, *names: str) -> list[dict[str, float]]:
-    """For each series name: {drafter_version: value} from the engine's /metrics text."""
-    found: list[dict[str, float]] = [{} for _ in names]
-    for line in metrics_text.splitlines():
-        for name, into in zip(names, found):
-            if line.startswith(name + "{"):
-                version = line.split('drafter_version="')[1].split('"')[0]
-                into[version] = float(line.rsplit(" ", 1)[1])
-    return found
-
-
-def parse_acceptance(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """{drafter_version: (sum of committed tokens, drafted target forwards)} from the engine's /metrics."""
-    sums, counts = _by_version(metrics_text, "tide_engine_accept_length_tokens_sum",
-                               "tide_engine_accept_length_tokens_count")
+def acceptance_counts(families: Families) -> dict[str, tuple[float, float]]:
+    """{drafter_version: (sum of committed tokens, drafted target forwards)} from a parsed /metrics page."""
+    sums = by_label(families, "tide_engine_accept_length_tokens_sum", "drafter_version")
+    counts = by_label(families, "tide_engine_accept_length_tokens_count", "drafter_version")
     return {v: (sums.get(v, 0.0), counts.get(v, 0.0)) for v in set(sums) | set(counts)}
 
 
-def parse_served_forwards(metrics_text: str) -> dict[str, float]:
+def served_forwards(families: Families) -> dict[str, float]:
     """{drafter_version: target forwards of every row served under it}: drafted rows and the rows
     the scheduler or the workload gate ran target-only alike."""
-    return _by_version(metrics_text, "tide_engine_target_forwards_total")[0]
+    return by_label(families, "tide_engine_target_forwards_total", "drafter_version")
 
 
 @dataclass
@@ -141,16 +131,16 @@ class AcceptanceSampler:
 
     def sample(self) -> None:
         try:  # all engines or none: a missing one would read as counters going backwards
-            texts = [httpx.get(url, timeout=5).text for url in self.metrics_urls]
-        except httpx.HTTPError:
+            pages = [parse(httpx.get(url, timeout=5).text) for url in self.metrics_urls]
+        except (httpx.HTTPError, MetricsTextError):
             return
         now: dict[str, tuple[float, float]] = {}
         served: dict[str, float] = {}
-        for text in texts:
-            for version, (total, count) in parse_acceptance(text).items():
+        for page in pages:
+            for version, (total, count) in acceptance_counts(page).items():
                 was = now.get(version, (0.0, 0.0))
                 now[version] = (was[0] + total, was[1] + count)
-            for version, forwards in parse_served_forwards(text).items():
+            for version, forwards in served_forwards(page).items():
                 served[version] = served.get(version, 0.0) + forwards
         t = time.monotonic() - self.t0
         self._served.append((t, served))
@@ -191,14 +181,11 @@ class AcceptanceSampler:
         return sum(p.tokens_per_forward * p.forwards for p in pts) / forwards if forwards else None
 
 
-def scrape(metrics_url: str, timeout_s: float = 5.0) -> dict[str, list]:
-    """{metric family name: [samples]} of a /metrics page; {} when it cannot be read."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+def scrape(metrics_url: str, timeout_s: float = 5.0) -> Families:
+    """{metric family name: [samples]} of a /metrics page; {} when it cannot be read or parsed."""
     try:
-        text = httpx.get(metrics_url, timeout=timeout_s).text
-        return {f.name: f.samples for f in text_string_to_metric_families(text)}
-    except (httpx.HTTPError, ValueError):
+        return parse(httpx.get(metrics_url, timeout=timeout_s).text)
+    except (httpx.HTTPError, ValueError):  # a MetricsTextError is a ValueError
         return {}
 
 

@@ -17,9 +17,11 @@ ROOT = Path(tide.__file__).resolve().parent
 # lowest first; a module may import its own layer and the ones before it
 LAYERS: list[tuple[str, ...]] = [
     ("tide.contracts",),  # what components exchange: stdlib only
-    ("tide.config", "tide.redact", "tide.records", "tide.metrics", "tide.process", "tide.health_server"),
-    ("tide.models", "tide.drafter", "tide.spec", "tide.workloads", "tide.dataset"),
-    ("tide.engine", "tide.capture", "tide.registry", "tide.drafting"),  # the engine knows nothing of ops/training
+    ("tide.config", "tide.redact", "tide.records", "tide.metrics", "tide.metrics_text", "tide.process",
+     "tide.health_server"),
+    # capture takes what engines offer from tide.contracts: it sits below the engine, which starts it
+    ("tide.models", "tide.drafter", "tide.spec", "tide.workloads", "tide.dataset", "tide.capture"),
+    ("tide.engine", "tide.registry", "tide.drafting"),  # the engine knows nothing of ops/training
     ("tide.ops", "tide.train", "tide.schedule", "tide.report", "tide.traffic", "tide.prometheus", "tide.broker"),
     # services: processes and commands, built over the library; the library never imports them
     ("tide.services", "tide.service", "tide.stack", "tide.comparison", "tide.demo", "tide.cli"),
@@ -79,6 +81,11 @@ def test_the_engine_imports_nothing_from_ops_schedule_or_train():
                            if d.startswith(("tide.ops", "tide.schedule", "tide.train"))]
 
 
+def test_capture_imports_nothing_of_the_engine():
+    capture = [m for m in GRAPH if m.startswith("tide.capture")]
+    assert capture and not [(m, d) for m in capture for d in GRAPH[m] if d.startswith("tide.engine")]
+
+
 def test_no_import_cycles():
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     cycles: list[list[str]] = []
@@ -121,3 +128,4 @@ def test_the_checks_see_real_edges():
     # guards against a parser bug that would make every check above pass vacuously
     assert "tide.engine.base" in GRAPH["tide.ops.swap"]
     assert "tide.contracts" in GRAPH["tide.records"]
+    assert "tide.contracts" in GRAPH["tide.capture.tap"]

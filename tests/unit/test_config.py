@@ -1,4 +1,6 @@
 """Config loading: defaults, YAML, env overlay, unknown keys rejected, types coerced."""
+import re
+
 import pytest
 
 from tide.config import ConfigError, load_config
@@ -183,3 +185,100 @@ def test_train_update_fraction_refused_outside_zero_to_one():
     for bad in (0.0, -0.5, 1.2):
         with pytest.raises(ConfigError, match="train.update_fraction"):
             load_config(env={}, overrides={"train": {"update_fraction": bad}})
+
+
+def _load_in(layer: str, tmp_path, section: str, key: str, value):
+    """``section.key = value`` set by one layer: the YAML file, the environment or an override."""
+    if layer == "file":
+        path = tmp_path / "c.yaml"
+        path.write_text(f"{section}:\n  {key}: {value}\n")
+        return load_config(path, env={})
+    if layer == "env":
+        return load_config(env={f"TIDE_{section.upper()}__{key.upper()}": str(value)})
+    return load_config(env={}, overrides={section: {key: value}})
+
+
+@pytest.mark.parametrize("layer", ["file", "env", "override"])
+@pytest.mark.parametrize("section,key,value", [("spec", "draft_len", "three"), ("spec", "draft_len", 0),
+                                               ("schedule", "interval_s", 0), ("train", "update_fraction", 1.5),
+                                               ("schedule", "sample_unit", "bytes"), ("server", "port", 1.5)])
+def test_a_bad_value_names_its_key_and_the_value_in_every_layer(tmp_path, layer, section, key, value):
+    with pytest.raises(ConfigError, match=rf"^config\.{section}\.{key}: .*, got '?{re.escape(str(value))}'?$"):
+        _load_in(layer, tmp_path, section, key, value)
+
+
+@pytest.mark.parametrize("layer", ["file", "env", "override"])
+def test_an_unknown_key_is_named_with_the_known_ones(tmp_path, layer):
+    with pytest.raises(ConfigError, match=r"config\.spec: unknown key\(s\) \['draft_lenn'\]; known: \[.*'draft_len'"):
+        _load_in(layer, tmp_path, "spec", "draft_lenn", 3)
+    with pytest.raises(ConfigError, match=r"config: unknown key\(s\) \['nosuch'\]; known: \[.*'spec'"):
+        _load_in(layer, tmp_path, "nosuch", "a", 1)
+
+
+@pytest.mark.parametrize("section,key,bad,good", [
+    ("schedule", "interval_s", 0, 0.5), ("schedule", "min_new_samples", -1, 0),
+    ("schedule", "shift_mix_distance", 0.0, 1.0), ("schedule", "shift_accept_drop", 1.01, 0.01),
+    ("spec", "draft_stop_prob", -0.1, 0.0), ("spec", "drafter_service_deadline_s", 0, 0.01),
+    ("capture", "full_capture_fraction", 1.01, 1.0), ("drafter_service", "session_idle_s", 0, 1),
+])
+def test_a_range_rule_on_a_field_refuses_out_of_range_values_naming_the_key(section, key, bad, good):
+    from tide.config import TideConfig
+
+    assert getattr(getattr(load_config(env={}, overrides={section: {key: good}}), section), key) == good
+    with pytest.raises(ConfigError, match=rf"^config\.{section}\.{key}: .*, got {re.escape(str(bad))}$"):
+        load_config(env={}, overrides={section: {key: bad}})
+    section_model = TideConfig.model_fields[section].annotation
+    with pytest.raises(ConfigError, match=rf"^config\.{section}\.{key}: "):  # built in code: the same rule
+        section_model(**{key: bad})
+
+
+def test_rules_across_two_fields_name_both_keys():
+    with pytest.raises(ConfigError, match=r"config\.drafter_service\.max_batch_rows.*config\.drafter_service\.max_sessions"):
+        load_config(env={}, overrides={"drafter_service": {"max_batch_rows": 9, "max_sessions": 8}})
+    with pytest.raises(ConfigError, match=r"config\.train\.anchor x config\.train\.lr"):
+        load_config(env={"TIDE_TRAIN__ANCHOR": "20", "TIDE_TRAIN__LR": "0.05"})
+
+
+def test_environment_values_are_read_as_the_fields_say(monkeypatch):
+    for word, expected in [("1", True), ("true", True), ("Yes", True), (" on ", True),
+                           ("0", False), ("false", False), ("NO", False), ("off", False)]:
+        assert load_config(env={"TIDE_CAPTURE__ENABLED": word}).capture.enabled is expected, word
+    with pytest.raises(ConfigError, match=r"^config\.capture\.enabled: expected a bool.*, got '2'$"):
+        load_config(env={"TIDE_CAPTURE__ENABLED": "2"})
+    cfg = load_config(env={"TIDE_MODEL__AUX_LAYER_IDS": "2, 15 ,27", "TIDE_SGLANG__EXTRA_ARGS": "--a,--b",
+                           "TIDE_CAPTURE__WORKLOAD_FRACTIONS": '{"code": 0.5, "chat": "1"}',
+                           "TIDE_SCHEDULE__SHIFT_TRAIN": '{"epochs": 2}', "TIDE_SERVER__PORT": "9001",
+                           "TIDE_SCHEDULE__K8S_CPU": "4", "TIDE_OPS__SMOKE_PROMPT": "true"})
+    assert cfg.model.aux_layer_ids == (2, 15, 27) and cfg.sglang.extra_args == ("--a", "--b")
+    assert dict(cfg.capture.workload_fractions) == {"code": 0.5, "chat": 1.0}
+    assert dict(cfg.schedule.shift_train) == {"epochs": "2"}  # a str-typed value takes anything
+    assert (cfg.server.port, cfg.schedule.k8s_cpu, cfg.ops.smoke_prompt) == (9001, "4", "true")
+    assert load_config(env={}, overrides={"ops": {"smoke_prompt": 5}}).ops.smoke_prompt == "5"
+    for name, value in [("TIDE_SERVER__PORT", "1.5"), ("TIDE_MODEL__AUX_LAYER_IDS", "1,x"),
+                        ("TIDE_SCHEDULE__K8S_NODE_SELECTOR", "{not json")]:
+        section, key = name[len("TIDE_"):].lower().split("__")
+        with pytest.raises(ConfigError, match=rf"config\.{section}\.{key}\b"):
+            load_config(env={name: value})
+    monkeypatch.setenv("TIDE_SERVER__PORT", "9002")
+    assert load_config(env={}).server.port == 8000  # a given mapping is the whole environment
+    assert load_config().server.port == 9002  # env=None: os.environ
+
+
+def test_a_mapping_set_by_two_layers_is_the_later_one_whole(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("schedule:\n  k8s_env: {A: '1'}\n  k8s_namespace: from-file\n")
+    cfg = load_config(path, env={}, overrides={"schedule": {"k8s_env": {"B": "2"}}})
+    assert dict(cfg.schedule.k8s_env) == {"B": "2"} and cfg.schedule.k8s_namespace == "from-file"
+
+
+def test_replace_is_checked_like_a_load_and_the_config_stays_frozen():
+    from tide.config import replace
+
+    cfg = load_config(env={})
+    changed = replace(cfg, spec=replace(cfg.spec, draft_len=2))
+    assert (changed.spec.draft_len, cfg.spec.draft_len, changed.server) == (2, 4, cfg.server)
+    with pytest.raises(ConfigError, match=r"^config\.spec\.draft_len: .*, got 0$"):
+        replace(cfg.spec, draft_len=0)
+    with pytest.raises(ValueError):
+        cfg.spec.draft_len = 3
+    assert cfg.model_dump()["spec"]["draft_len"] == 4 and "draft_len" in type(cfg.spec).model_fields

@@ -15,7 +15,6 @@ writes; the Job mounts no service-account token and gets credentials only throug
 NetworkPolicies open the engine's control port and the registry only to the pods that need them.
 """
 import copy
-import dataclasses
 import importlib
 import inspect
 import math
@@ -116,7 +115,7 @@ def test_every_tide_env_var_names_a_config_field_and_parses(tmp_path):
             if not name.startswith("TIDE_"):
                 continue
             section, _, key = name[len("TIDE_"):].lower().partition("__")
-            assert key in {f.name for f in dataclasses.fields(getattr(cfg, section))}, name
+            assert key in type(getattr(cfg, section)).model_fields, name
             _config(tmp_path, env={name: value})  # ConfigError if the value does not parse
 
 

@@ -7,7 +7,6 @@ and parse (AMD: --disable-custom-all-reduce reaches the SGLang server command), 
 that exist; the Service and the other Deployments stay the base's.
 """
 import copy
-import dataclasses
 import importlib
 
 import pytest
@@ -58,7 +57,7 @@ def test_the_sglang_overlay_validates_and_runs_the_sglang_engine(overlay, tmp_pa
     cfg = load_config(tmp_path / "config.yaml", env=env)  # ConfigError for an unknown field or bad value
     for key in env:
         section, _, field = key[len("TIDE_"):].lower().partition("__")
-        assert field in {f.name for f in dataclasses.fields(getattr(cfg, section))}, key
+        assert field in type(getattr(cfg, section)).model_fields, key
     argv = server_command(cfg, cfg.sglang.target, PACKAGED)
     assert ("--disable-custom-all-reduce" in argv) == (overlay == "sglang-amd")
     assert cfg.sglang.target == "/models/target"

@@ -22,21 +22,15 @@ to ``offer`` only once it has sent its first report (it is reading frames): whil
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import logging
-import os
 import pickle
 import subprocess
-import sys
 import threading
 import time
-from multiprocessing.connection import Connection
-from pathlib import Path
 
 import numpy as np
 import torch
 
-import tide
 from tide import metrics
 from tide.capture.assembler import StagedStep
 from tide.capture.ring import (
@@ -54,10 +48,9 @@ from tide.capture.ring import (
     write_frame,
 )
 from tide.capture.sampling import SamplingPolicy
-from tide.capture.worker import config_json
+from tide.capture.worker import WorkerHandle
 from tide.config import CaptureConfig, KafkaConfig
-from tide.contracts import HIDDEN_ITEMSIZE
-from tide.engine.base import StepCapture
+from tide.contracts import HIDDEN_ITEMSIZE, StepCapture
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +59,6 @@ log = logging.getLogger(__name__)
 _SAMPLED, _TOKENS, _BROKEN, _META_SENT = 0, 1, 2, 3
 _MAX_ABORTED = 4096  # broken request ids waiting for frames that reach the worker
 _ABORTED_PER_FRAME = 8  # so a frame stays under PIPE_BUF
-# frames are ~200 B: the default 64 KiB pipe holds only a few hundred steps, so a worker that is
-# briefly descheduled makes the tap drop; 1 MiB (Linux's default pipe-max-size) holds thousands
-_FRAMES_PIPE_BYTES = 1 << 20
 _TOKEN_SOURCES = {torch.int64: (INT64, 8), torch.int32: (STORED, 4)}
 _memmove = ctypes.memmove
 # python start-up and imports of the worker; generous because the machine may be loaded
@@ -85,52 +75,6 @@ def stage(capture: StepCapture, hidden_dtype: str) -> StagedStep:
     return StagedStep(capture.meta, capture.start_position,
                       capture.token_ids.detach().cpu().numpy().astype(np.int32), raw(capture.aux_hidden),
                       raw(capture.final_hidden), capture.is_prompt, capture.finished)
-
-
-class _WorkerHandle:
-    """One worker process and the two pipes to it."""
-
-    def __init__(self, config: CaptureConfig, kafka: KafkaConfig, ring: StagingRing) -> None:
-        frames_r, self.frames_w = os.pipe()
-        reports_r, reports_w = os.pipe()
-        os.set_blocking(self.frames_w, False)
-        try:
-            fcntl.fcntl(self.frames_w, fcntl.F_SETPIPE_SZ, _FRAMES_PIPE_BYTES)
-        except (OSError, AttributeError):  # not Linux, or over pipe-max-size: the default size works
-            log.debug("capture: cannot enlarge the frames pipe", exc_info=True)
-        root = str(Path(tide.__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tide.capture.worker", "--frames-fd", str(frames_r),
-                 "--reports-fd", str(reports_w), "--shm", ring.name, "--config", config_json(config, kafka)],
-                pass_fds=(frames_r, reports_w), env=env)
-        finally:
-            os.close(frames_r)
-            os.close(reports_w)
-        self.reports = Connection(reports_r, writable=False)
-        self.closed = threading.Event()
-        self.last: dict[tuple, float] = {}  # counter values of its previous report
-        self.consumed_steps = 0
-        self.unacked_bytes = 0
-
-    def first_report(self, timeout_s: float) -> tuple | None:
-        """The worker's first report, sent once it is in its loop; None if none came in time.
-        Until then frames only pile up in the pipe, so offers would overflow it and drop."""
-        try:
-            if self.reports.poll(timeout_s):
-                return pickle.loads(self.reports.recv_bytes())
-        except (EOFError, OSError):
-            pass
-        return None
-
-    def close_pipes(self) -> None:
-        for close in (lambda: os.close(self.frames_w), self.reports.close):
-            try:
-                close()
-            except OSError:
-                pass
 
 
 class CaptureTap:
@@ -156,7 +100,7 @@ class CaptureTap:
         self._sources = {self._dtype: (STORED, self._item)}
         if self._dtype is torch.bfloat16:
             self._sources[torch.float32] = (FLOAT32, 4)
-        self._worker: _WorkerHandle | None = None
+        self._worker: WorkerHandle | None = None
         self._worker = self._start_worker()
         self._reader = threading.Thread(target=self._supervise, name="tide-capture-reports", daemon=True)
         self._reader.start()
@@ -304,7 +248,7 @@ class CaptureTap:
                 return
             self._restart(worker)
 
-    def _read_reports(self, worker: _WorkerHandle) -> None:
+    def _read_reports(self, worker: WorkerHandle) -> None:
         while True:
             try:
                 message = pickle.loads(worker.reports.recv_bytes())
@@ -316,7 +260,7 @@ class CaptureTap:
                 worker.closed.set()
                 return
 
-    def _apply(self, worker: _WorkerHandle, stats: dict) -> None:
+    def _apply(self, worker: WorkerHandle, stats: dict) -> None:
         worker.consumed_steps, worker.unacked_bytes = stats["consumed_steps"], stats["unacked_bytes"]
         for index, is_counter, labels, value in stats["metrics"]:
             group = metrics.CAPTURE_WORKER_COUNTERS if is_counter else metrics.CAPTURE_WORKER_GAUGES
@@ -330,7 +274,7 @@ class CaptureTap:
                 metric.inc(delta)
         metrics.CAPTURE_QUEUE_DEPTH.set(self.queue_depth)
 
-    def _restart(self, dead: _WorkerHandle | None) -> None:
+    def _restart(self, dead: WorkerHandle | None) -> None:
         """The worker exited unasked: count what it held, then start a new one after a backoff."""
         with self._lock:
             if dead is not None:
@@ -357,10 +301,10 @@ class CaptureTap:
         if worker is not None:  # close() came meanwhile and did not see it: EOF makes it flush and exit
             worker.close_pipes()
 
-    def _start_worker(self) -> _WorkerHandle | None:
+    def _start_worker(self) -> WorkerHandle | None:
         """A new worker, returned once it reads frames (or after a time limit: then late)."""
         try:
-            worker = _WorkerHandle(self.config, self.kafka, self._ring)
+            worker = WorkerHandle(self.config, self.kafka, self._ring)
         except OSError:
             log.exception("capture: cannot start the capture worker")
             return None

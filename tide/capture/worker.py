@@ -13,23 +13,29 @@ compression and Kafka I/O cost the engine's decode thread no GIL time. Loop step
    from the engine's /metrics;
 4. a close frame, or the tap's end of the pipe closing: close the producer (drain, flush within
    the frame's time limit), send the last stats and exit.
+``WorkerHandle`` is the tap's side: it starts this process with the two pipes and the ring's name.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import pickle
 import queue
+import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict, deque
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 
+import tide
 from tide import metrics
 from tide.capture.assembler import StagedStep
 from tide.capture.producer import CaptureProducer
@@ -45,6 +51,9 @@ STATS_INTERVAL_S = 0.25
 # decode thread inside offer() (offer p99 several times higher, maxima of ms); the frames wait in
 # the pipe (1 MiB) and the ring meanwhile
 FRAMES_POLL_S = 0.005
+# frames are ~200 B: the default 64 KiB pipe holds only a few hundred steps, so a worker that is
+# briefly descheduled makes the tap drop; 1 MiB (Linux's default pipe-max-size) holds thousands
+FRAMES_PIPE_BYTES = 1 << 20
 _MAX_METAS = 8192  # metas of requests whose last step has not come yet
 
 
@@ -143,7 +152,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def config_json(capture: CaptureConfig, kafka: KafkaConfig) -> str:
-    return json.dumps({"capture": dataclasses.asdict(capture), "kafka": dataclasses.asdict(kafka)})
+    return json.dumps({"capture": capture.model_dump(), "kafka": kafka.model_dump()})
+
+
+class WorkerHandle:
+    """The tap's side of one worker process: the process and the two pipes to it."""
+
+    def __init__(self, config: CaptureConfig, kafka: KafkaConfig, ring: StagingRing) -> None:
+        frames_r, self.frames_w = os.pipe()
+        reports_r, reports_w = os.pipe()
+        os.set_blocking(self.frames_w, False)
+        try:
+            fcntl.fcntl(self.frames_w, fcntl.F_SETPIPE_SZ, FRAMES_PIPE_BYTES)
+        except (OSError, AttributeError):  # not Linux, or over pipe-max-size: the default size works
+            log.debug("capture: cannot enlarge the frames pipe", exc_info=True)
+        root = str(Path(tide.__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tide.capture.worker", "--frames-fd", str(frames_r),
+                 "--reports-fd", str(reports_w), "--shm", ring.name, "--config", config_json(config, kafka)],
+                pass_fds=(frames_r, reports_w), env=env)
+        finally:
+            os.close(frames_r)
+            os.close(reports_w)
+        self.reports = Connection(reports_r, writable=False)
+        self.closed = threading.Event()
+        self.last: dict[tuple, float] = {}  # counter values of its previous report
+        self.consumed_steps = 0
+        self.unacked_bytes = 0
+
+    def first_report(self, timeout_s: float) -> tuple | None:
+        """The worker's first report, sent once it is in its loop; None if none came in time.
+        Until then frames only pile up in the pipe, so offers would overflow it and drop."""
+        try:
+            if self.reports.poll(timeout_s):
+                return pickle.loads(self.reports.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        return None
+
+    def close_pipes(self) -> None:
+        for close in (lambda: os.close(self.frames_w), self.reports.close):
+            try:
+                close()
+            except OSError:
+                pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tide import metrics
+from tide.contracts import VersionAcceptance
 from tide.drafting import wire
 from tide.drafting.transport import EngineLink
 from tide.spec.decode import Drafts, RowInput, RowResult, StepStats, accept_row, verify
@@ -58,7 +59,7 @@ class RemoteDrafter:
         self._seq, self._probe_at = 0, 0.0
         self._known: set[str] = set()  # request ids the service holds a session of
         self._closed: list[str] = []
-        self._acceptance: dict[str, list[int]] = {}
+        self._acceptance: dict[str, VersionAcceptance] = {}
         deadline = time.monotonic() + connect_timeout_s
         while not self.up and time.monotonic() < deadline:  # a hello before the connection is made is lost
             self._hello()
@@ -170,7 +171,7 @@ class RemoteDrafter:
         stop = planner.stop_prob if isinstance(planner, StopRule) else 0.0 if isinstance(planner, FixedLength) \
             else self.stop_prob
         header = {"op": wire.DRAFT, "engine": self.engine_id, "seq": self._seq, "gamma": gamma, "stop_prob": stop,
-                  "closed": self._closed, "acceptance": self._acceptance,
+                  "closed": self._closed, "acceptance": wire.acceptance_field(self._acceptance),
                   "rows": [{"id": i, "t_len": r.t_len, "pending": r.pending, "feed_start": r.feed_start,
                             "first_pos": r.drafter_first_pos, "n_feed": int(r.feed_tokens.numel()),
                             "temperature": float(r.temperature), "seed": _seed(r)} for i, r in zip(ids, rows)]}
@@ -225,10 +226,9 @@ class RemoteDrafter:
 
     def _count(self, version: str, lengths: list[int], accepted: list[int]) -> None:
         """This engine's acceptance (rows with verified drafts), as the engine's accounting counts it."""
-        c = self._acceptance.setdefault(version, [0, 0, 0])
-        for n_b, a in zip(lengths, accepted):
-            if n_b > 0:
-                c[0], c[1], c[2] = c[0] + 1, c[1] + a, c[2] + a + 1
+        verified = [a for n_b, a in zip(lengths, accepted) if n_b > 0]
+        step = VersionAcceptance(len(verified), sum(verified), sum(verified) + len(verified))
+        self._acceptance[version] = self._acceptance.get(version, VersionAcceptance()) + step
 
     def view(self) -> dict:
         return {"url": self.url, "engine_id": self.engine_id, "up": self.up, "service": self.service,

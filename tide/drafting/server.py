@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tide import metrics
+from tide.contracts import VersionAcceptance
 from tide.drafter.artifact import DrafterError, TargetSpec, load_drafter
 from tide.drafter.confidence import serving_head
 from tide.drafter.model import Eagle3Drafter, for_serving
@@ -59,7 +60,7 @@ class EngineState:
     engine: str
     kind: str
     identity: bytes
-    acceptance: dict[str, list[int]] = field(default_factory=dict)  # as the engine last reported it
+    acceptance: dict[str, VersionAcceptance] = field(default_factory=dict)  # as the engine last reported it
     requests: int = 0
 
 
@@ -218,7 +219,8 @@ class DraftServer:
                 self._error(kind, identity, header, str(exc))
                 continue
             state.requests += 1
-            state.acceptance = _acceptance(header.get("acceptance"), state.acceptance)
+            reported = wire.check_acceptance(header.get("acceptance"))
+            state.acceptance = state.acceptance if reported is None else reported
             metrics.DRAFTER_SERVICE_QUEUE_SECONDS.observe(time.monotonic() - t_in)
             requests.append((identity, kind, header, len(batch), len(rows)))
             batch += rows
@@ -285,7 +287,7 @@ class DraftServer:
         """Engines that reported acceptance (any thread: a snapshot)."""
         return [s.engine for s in list(self.engines.values()) if s.acceptance]
 
-    def acceptance_of(self, engine: str) -> dict[str, list[int]]:
+    def acceptance_of(self, engine: str) -> dict[str, VersionAcceptance]:
         for s in list(self.engines.values()):
             if s.engine == engine:
                 return dict(s.acceptance)
@@ -298,16 +300,3 @@ class DraftServer:
                 "sessions": len(self.sessions), "evicted": self.sessions.evicted,
                 "utilisation": round(self.utilisation, 3), "busy_s": round(self.busy_s, 3),
                 "cost_ms": {f"{r}x{d}": round(s * 1e3, 3) for (r, d), s in sorted(self.cost.items())}}
-
-
-def _acceptance(raw, old: dict[str, list[int]]) -> dict[str, list[int]]:
-    """An engine's reported acceptance counters, if well-formed (else the last ones)."""
-    if not isinstance(raw, dict):
-        return old
-    out = {}
-    for version, counts in list(raw.items())[:64]:
-        if isinstance(counts, list) and len(counts) == 3 and all(isinstance(c, int) and c >= 0 for c in counts):
-            out[str(version)] = counts
-    return out if out or not raw else old
-
-

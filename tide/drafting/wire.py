@@ -11,8 +11,9 @@ Messages (``op``), engine -> service:
 - ``draft``: ``engine``, ``seq``, ``rows`` (one per running request of the step: ``id``, ``t_len``,
   ``pending``, ``feed_start``, ``first_pos``, ``n_feed``, ``temperature``, ``seed``), ``gamma``,
   ``stop_prob``, ``closed`` (request ids that ended: their sessions are freed), ``acceptance``
-  (the engine's cumulative {version: [draft steps, accepted, committed]}: its collapse guard's
-  input); arrays ``tokens`` int64 [sum n_feed] and ``aux`` float32 [sum n_feed, 3H];
+  (the engine's cumulative counters, {version: {``forwards``, ``accepted``, ``committed``}}: the
+  fields of tide.contracts.VersionAcceptance; its collapse guard's input); arrays ``tokens`` int64
+  [sum n_feed] and ``aux`` float32 [sum n_feed, 3H];
 service -> engine:
 - ``welcome``: ``service`` (this process's id), ``version``; array ``d2t`` (target id of each draft id);
 - ``pong``: ``service``, ``version``;
@@ -24,16 +25,22 @@ Everything a peer sends is checked against ``Limits`` before it is used.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
+
+from tide.contracts import VersionAcceptance
 
 HELLO, PING, DRAFT, WELCOME, PONG, DRAFTS, ERROR = "hello", "ping", "draft", "welcome", "pong", "drafts", "error"
 UNKNOWN_ENGINE = "unknown engine"
 DTYPES = {"int64": np.int64, "float32": np.float32}
 MAX_HEADER_BYTES = 1 << 20
+MAX_ACCEPTANCE_VERSIONS = 64  # versions of one engine's acceptance report read; the rest are ignored
+ACCEPTANCE_FIELDS = tuple(f.name for f in dataclasses.fields(VersionAcceptance))
 
 
 class WireError(ValueError):
@@ -148,3 +155,23 @@ def check_draft(header: dict, arrays: dict[str, np.ndarray], limits: Limits) -> 
     if not np.isfinite(aux).all():
         raise WireError("aux states are not finite")
     return rows
+
+
+def acceptance_field(counts: Mapping[str, VersionAcceptance]) -> dict[str, dict[str, int]]:
+    """A draft request's ``acceptance``: each version's counters by field name."""
+    return {version: dataclasses.asdict(c) for version, c in counts.items()}
+
+
+def check_acceptance(raw) -> dict[str, VersionAcceptance] | None:
+    """The counters of a draft request's ``acceptance``, checked: each version's value must hold
+    exactly the named fields, each an integer in [0, 2**63); versions that do not are left out, and
+    only the first MAX_ACCEPTANCE_VERSIONS are read. None (keep the last report) when ``raw`` is
+    not an object, or is a non-empty one with no well-formed version."""
+    if not isinstance(raw, dict):
+        return None
+    out = {}
+    for version, counts in list(raw.items())[:MAX_ACCEPTANCE_VERSIONS]:
+        if isinstance(counts, dict) and sorted(counts) == sorted(ACCEPTANCE_FIELDS) and all(
+                type(n) is int and 0 <= n < 1 << 63 for n in counts.values()):
+            out[str(version)] = VersionAcceptance(**counts)
+    return out if out or not raw else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from tide import metrics
-from tide.engine.base import EngineStats
+from tide.engine.base import EngineStats, VersionAcceptance
 from tide.spec.decode import RowResult, StepStats
 
 
@@ -36,14 +36,12 @@ class EngineAccounting:
             judged = results
         else:
             judged = [] if stats is None else [r for r, n in zip(results, stats.drafted) if n > 0]
+        counted = VersionAcceptance(len(judged), sum(r.n_accepted for r in judged),
+                                    sum(len(r.committed) for r in judged))
         with self._lock:
             st = self._stats
             st.target_forwards += len(results)
-            acc = st.acceptance.setdefault(version, [0, 0, 0])
-            for res in judged:
-                acc[0] += 1
-                acc[1] += res.n_accepted
-                acc[2] += len(res.committed)
+            st.acceptance[version] = st.acceptance.get(version, VersionAcceptance()) + counted
         metrics.ENGINE_TARGET_FORWARDS.labels(version).inc(len(results))
         for res in judged:
             metrics.ENGINE_ACCEPT_LENGTH.labels(version).observe(len(res.committed))

@@ -1,7 +1,8 @@
-"""The engine contract: the one base class capture, ops, the HTTP server and the demo rely on.
+"""The engine contract: the one base class ops, the HTTP server and the demo rely on.
 
 The reference engine (tide/engine/reference.py) implements it and the SGLang plugin will, so
-capture/, ops/ and the server do not care which engine runs; they never reach past it.
+ops/ and the server do not care which engine runs; they never reach past it. Capture never imports
+the engine: what it is offered (``StepCapture``) is defined in tide/contracts.py.
 """
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-import torch
-
-from tide.contracts import CaptureMeta  # noqa: F401  (engines and sinks take it from here)
+# what capture consumes and the acceptance counters are contracts; engines take them from here
+from tide.contracts import CaptureMeta, StepCapture, VersionAcceptance  # noqa: F401
 
 
 class EngineFailed(ConnectionError):
@@ -52,26 +52,6 @@ class TokenEvent:
     error: str | None = None
 
 
-@dataclass
-class StepCapture:
-    """Target tensors for the positions one step *committed* for one request.
-
-    ``token_ids[i]`` was fed to the target at position ``start_position + i``;
-    ``aux_hidden[i]`` ([3H], the inputs of the aux layers) and ``final_hidden[i]`` ([H], after the
-    final norm) are what the target computed there. Rejected draft positions are never included.
-    Tensors are references to the engine's step outputs (no copy on the hot path); sinks must not
-    modify them.
-    """
-
-    meta: CaptureMeta
-    start_position: int
-    token_ids: torch.Tensor  # [n] int64
-    aux_hidden: torch.Tensor  # [n, 3H]
-    final_hidden: torch.Tensor  # [n, H]
-    is_prompt: bool  # True for prefill positions (loss mask 0), False for generated ones
-    finished: bool = False  # the request ended after this step
-
-
 class CaptureSink(Protocol):
     """Receives committed positions once per step; must only enqueue, never block or raise."""
 
@@ -86,13 +66,11 @@ class EngineStats:
     requests_failed: int = 0
     target_forwards: int = 0
     tokens_generated: int = 0
-    # drafter version -> [draft steps, accepted draft tokens, committed tokens]; rows decoded
-    # target-only while a drafter serves (scheduler or gate) are not draft steps; with no drafter
-    # (version "none") every row is
-    acceptance: dict[str, list[int]] = field(default_factory=dict)
+    # drafter version -> its counters (tide.contracts.VersionAcceptance says what each counts)
+    acceptance: dict[str, VersionAcceptance] = field(default_factory=dict)
 
     def copy(self) -> "EngineStats":
-        return dataclasses.replace(self, acceptance={k: list(v) for k, v in self.acceptance.items()})
+        return dataclasses.replace(self, acceptance=dict(self.acceptance))  # the values are frozen
 
 
 class Engine(ABC):

@@ -69,8 +69,7 @@ def add_drafters_parser(sub, fn: Callable[[argparse.Namespace], int]) -> None:
 
 def run_drafters(args: argparse.Namespace, cfg) -> int:
     """Run one verb; registry and engine problems print ``error: ...`` and return 2."""
-    from dataclasses import replace
-
+    from tide.config import replace
     from tide.ops import inventory  # imported here: `tide --help` must not load torch or MLflow
     from tide.ops.alias_api import alias_writer
     from tide.ops.aliases import AliasError

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tide import metrics
+from tide.contracts import VersionAcceptance
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class CollapseGuard:
     min_ratio: float = 0.6
     window_forwards: int = 200
     baselines: dict[str, float] = field(default_factory=dict)
-    _last: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _last: dict[str, VersionAcceptance] = field(default_factory=dict)
     _window: dict[str, _Window] = field(default_factory=dict)
     _judged_bad: set[str] = field(default_factory=set)
     _previous_version: str | None = None
@@ -52,13 +53,12 @@ class CollapseGuard:
         if version != self._serving:
             self._previous_version, self._serving = self._serving, version
             metrics.OPS_COLLAPSE_ALERT.set(0)
-        stats = self.engine.stats().acceptance
-        for v, (steps, _accepted, committed) in stats.items():
-            last_steps, last_committed = self._last.get(v, (0, 0))
-            self._last[v] = (steps, committed)
+        for v, counts in self.engine.stats().acceptance.items():
+            delta = counts - self._last.get(v, VersionAcceptance())
+            self._last[v] = counts
             w = self._window.setdefault(v, _Window())
-            w.forwards += steps - last_steps
-            w.committed += committed - last_committed
+            w.forwards += delta.forwards
+            w.committed += delta.committed
         w = self._window.get(version)
         if w is None or w.forwards < self.window_forwards or version in self._judged_bad or version == "none":
             return None

@@ -14,8 +14,15 @@ from typing import Mapping
 
 import httpx
 
-from tide.contracts import TAG_PARENT_SIM_ACCEPT, TAG_ROLLED_BACK, TAG_WINDOW_END, TAG_WINDOW_START
+from tide.contracts import (
+    TAG_PARENT_SIM_ACCEPT,
+    TAG_ROLLED_BACK,
+    TAG_WINDOW_END,
+    TAG_WINDOW_START,
+    VersionAcceptance,
+)
 from tide.metrics import ENGINE_ACCEPT_LENGTH
+from tide.metrics_text import by_label, parse
 from tide.registry import VersionInfo
 
 ACCEPT_METRIC = ENGINE_ACCEPT_LENGTH.describe()[0].name  # histogram of tokens per forward, by version
@@ -46,26 +53,17 @@ def version_record(info: VersionInfo, live: Mapping[str, float] | None = None, s
             "run_id": info.run_id, "checksum": info.checksum, "description": info.description}
 
 
-def live_acceptance_from_stats(acceptance: Mapping[str, list[int]]) -> dict[str, float]:
-    """EngineStats.acceptance ({version: [forwards, accepted, committed]}) -> tokens per forward."""
-    return {v: c / s for v, (s, _a, c) in acceptance.items() if s}
+def live_acceptance_from_stats(acceptance: Mapping[str, VersionAcceptance]) -> dict[str, float]:
+    """EngineStats.acceptance -> tokens per forward, by version (versions with no forward left out)."""
+    return {v: c.tokens_per_forward for v, c in acceptance.items() if c.forwards}
 
 
 def live_acceptance_from_metrics(text: str) -> dict[str, float]:
-    """The engine's /metrics page -> tokens per forward by drafter version (histogram sum/count)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != ACCEPT_METRIC:
-            continue
-        for sample in family.samples:
-            version = sample.labels.get("drafter_version")
-            if sample.name.endswith("_sum"):
-                sums[version] = sample.value
-            elif sample.name.endswith("_count"):
-                counts[version] = sample.value
+    """The engine's /metrics page -> tokens per forward by drafter version (histogram sum/count);
+    MetricsTextError (a ValueError) when the page is not Prometheus text."""
+    families = parse(text)
+    sums = by_label(families, f"{ACCEPT_METRIC}_sum", "drafter_version")
+    counts = by_label(families, f"{ACCEPT_METRIC}_count", "drafter_version")
     return {v: sums[v] / counts[v] for v in sums if counts.get(v)}
 
 

@@ -27,7 +27,6 @@ its handle is found again by name.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -80,10 +79,9 @@ def job_env(cfg: Any) -> dict[str, str]:
     section's ``tracking_uri``, the dataset table's URI and store settings, then ``schedule.k8s_env``."""
     sc = cfg.schedule
     env = {"TIDE_KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers}
-    for f in dataclasses.fields(cfg):
-        section = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(section) and getattr(section, "tracking_uri", ""):
-            env[f"TIDE_{f.name.upper()}__TRACKING_URI"] = str(section.tracking_uri)
+    for name, section in cfg.model_dump().items():
+        if isinstance(section, dict) and section.get("tracking_uri"):
+            env[f"TIDE_{name.upper()}__TRACKING_URI"] = str(section["tracking_uri"])
     if cfg.ingest.data_dir:
         env["TIDE_INGEST__DATA_DIR"] = cfg.ingest.data_dir
     # where the store is (the scheduler's own, from the object-store ConfigMap); keys by Secret only

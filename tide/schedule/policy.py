@@ -24,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from tide.config import CHOICES, TrainConfig
 from tide.contracts import RESULT_DATA_WATERMARK
 from tide.schedule.state import SchedulerState
 
-SAMPLE_UNITS = ("tokens", "generated_tokens", "requests", "rows")
+SAMPLE_UNITS = CHOICES["schedule.sample_unit"]
 
 
 @dataclass(frozen=True)
@@ -41,22 +42,8 @@ class Decision:
 
 
 def check_config(cfg: Any) -> None:
-    """Reject a ScheduleConfig the policy cannot run with, naming the field."""
-    if cfg.sample_unit not in SAMPLE_UNITS:
-        raise ValueError(f"schedule.sample_unit: {cfg.sample_unit!r} is not one of {SAMPLE_UNITS}")
-    for name in ("interval_s", "job_timeout_s"):
-        if getattr(cfg, name) <= 0:
-            raise ValueError(f"schedule.{name} must be > 0, got {getattr(cfg, name)}")
-    for name in ("min_new_samples", "cooldown_s", "kill_grace_s", "backoff_base_s",
-                 "backoff_max_s", "shift_min_new_samples", "shift_accept_min_forwards"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"schedule.{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("shift_recent_tokens", "shift_reference_tokens", "shift_accept_window_s"):
-        if getattr(cfg, name) <= 0:
-            raise ValueError(f"schedule.{name} must be > 0, got {getattr(cfg, name)}")
-    for name in ("shift_mix_distance", "shift_accept_drop"):
-        if not 0.0 < getattr(cfg, name) <= 1.0:
-            raise ValueError(f"schedule.{name} must be in (0, 1], got {getattr(cfg, name)}")
+    """Reject a ScheduleConfig the policy cannot run with for what no rule on its fields covers (those
+    are checked when it is read): a ``shift_train`` key that is no train.* setting, naming it."""
     shift_env(cfg, None)  # a shift_train key that is no train.* setting fails now, not at the first shift
 
 
@@ -91,14 +78,9 @@ def shift_env(cfg: Any, shift: Any) -> dict[str, str]:
     """The environment of a shift's retrain: ``shift_train`` as ``TIDE_TRAIN__*`` overrides and, with
     ``shift_window_from_shift``, a window starting where the new traffic began (``shift``: the
     ShiftRecord; None only checks the keys). Raises ValueError naming a key that is no train.* setting."""
-    from dataclasses import fields
-
-    from tide.config import TrainConfig
-
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(cfg.shift_train) - known)
+    unknown = sorted(set(cfg.shift_train) - set(TrainConfig.model_fields))
     if unknown:
-        raise ValueError(f"schedule.shift_train: {unknown} are not train.* settings")
+        raise ValueError(f"config.schedule.shift_train: {unknown} are not train.* settings")
     env = {f"TIDE_TRAIN__{key.upper()}": str(value) for key, value in cfg.shift_train.items()}
     if shift is not None and cfg.shift_window_from_shift and shift.since_s is not None:
         env["TIDE_TRAIN__WINDOW_SINCE_S"] = f"{shift.since_s:.3f}"

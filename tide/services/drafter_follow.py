@@ -33,7 +33,7 @@ class EngineView:
         return self.server.host.drafter_version
 
     def stats(self) -> EngineStats:
-        return EngineStats(acceptance={v: list(c) for v, c in self.server.acceptance_of(self.engine).items()})
+        return EngineStats(acceptance=self.server.acceptance_of(self.engine))
 
 
 class ServiceFollower(DrafterFollower):

@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from tide.metrics_text import by_label, parse
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tide.services.sglang_check")
@@ -56,15 +58,10 @@ def _phase(base: str, start: int, n: int, failures: list) -> None:
 
 def acceptance(sglang_url: str) -> dict[str, float]:
     """Tokens committed per target forward, by drafter version (the plugin's histogram)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums: dict[str, list[float]] = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{sglang_url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name in ("tide_engine_accept_length_tokens_sum", "tide_engine_accept_length_tokens_count"):
-                slot = sums.setdefault(s.labels["drafter_version"], [0.0, 0.0])
-                slot[s.name.endswith("_count")] += s.value
-    return {v: total / count for v, (total, count) in sums.items() if count}
+    families = parse(httpx.get(f"{sglang_url}/metrics", timeout=10).text)
+    sums = by_label(families, "tide_engine_accept_length_tokens_sum", "drafter_version")
+    counts = by_label(families, "tide_engine_accept_length_tokens_count", "drafter_version")
+    return {v: sums.get(v, 0.0) / count for v, count in counts.items() if count}
 
 
 def perturbed_copy(folder: Path, out: Path, scale: float = 0.02) -> Path:

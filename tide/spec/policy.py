@@ -1,6 +1,6 @@
 """How much the engine speculates each step: the configured scheduler, its state and its metrics.
 
-``spec.scheduler`` (tide/config.py):
+``spec.scheduler`` (tide/config/):
 - ``fixed``: every step drafts ``draft_len`` tokens per row (tide/spec/rules.py);
 - ``stop_rule``: a row stops drafting below ``draft_stop_prob`` (tide/spec/rules.py), not cost-aware;
 - ``cost``: the cost scheduler (tide/spec/schedule.py): one draft depth for the whole padded batch;

@@ -255,7 +255,7 @@ def _log_params(run, cfg, inputs: _Inputs, summary: dict, code: str) -> None:
         "data_dir": data_dir_of(cfg).describe(), "vocab_mapping": inputs.vocab, "gamma": cfg.spec.draft_len,
         "train_samples": len(data.train), "train_tokens": data.train_tokens,
         "heldout_samples": len(data.heldout), "missing_samples": data.missing,
-        **{f"train.{k}": v for k, v in asdict(cfg.train).items()},
+        **{f"train.{k}": v for k, v in cfg.train.model_dump().items()},
     })
 
 

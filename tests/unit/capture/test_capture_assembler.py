@@ -7,7 +7,7 @@ import torch
 
 from tide.capture.assembler import GapError, PendingRequest, build_record
 from tide.capture.tap import stage
-from tide.engine.base import CaptureMeta, StepCapture
+from tide.contracts import CaptureMeta, StepCapture
 from tide.records import decode, encode, hidden_to_float32
 
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from tide import metrics
 from tide.capture.ring import StagingRing, bf16_from_float32
 from tide.capture.tap import CaptureTap
 from tide.config import CaptureConfig, KafkaConfig
-from tide.engine.base import CaptureMeta, StepCapture
+from tide.contracts import CaptureMeta, StepCapture
 
 torch.set_num_threads(1)
 H = 8

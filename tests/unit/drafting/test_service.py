@@ -5,6 +5,7 @@ import pytest
 import torch
 from harness import TRANSPORTS, Service, assert_same_distribution, prompts, remote_engine, submit_all
 
+from tide.contracts import VersionAcceptance
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.spec.generate import generate
 
@@ -18,16 +19,16 @@ def test_greedy_identical_to_target_only_over_each_transport(tiny_target, agreei
     try:
         outs = submit_all(engine, [GenerationRequest(f"g{i}", tuple(p), SamplingParams(max_new_tokens=48))
                                    for i, p in enumerate(ps)])
-        steps, accepted, _ = engine.stats().acceptance["v1"]
+        acc = engine.stats().acceptance["v1"]
         view = engine.health()["drafter_service"]
     finally:
         engine.close()
     for p, out in zip(ps, outs):
         assert out == generate(tiny_target, None, p, 48)[0]
     assert view["drafted_steps"] > 0 and view["fallback_steps"] == {}, view
-    assert steps > 0  # the service's drafts were verified here
+    assert acc.forwards > 0  # the service's drafts were verified here
     if scheduler == "stop_rule":  # (dspark admits drafts by their measured cost: it may verify only probes)
-        assert accepted > 0
+        assert acc.accepted > 0
 
 
 @pytest.mark.parametrize("kind", TRANSPORTS)
@@ -66,7 +67,7 @@ def test_a_swap_reaches_every_engine_and_outputs_stay_the_targets(tiny_target, t
         [t.start() for t in runs]
         from tide.drafting.transport import wait_until
 
-        assert wait_until(lambda: all(e.stats().acceptance.get("v1", [0])[0] > 0 for e in engines), 120)
+        assert wait_until(lambda: all(e.stats().acceptance.get("v1", VersionAcceptance()).forwards > 0 for e in engines), 120)
         service.host.swap_drafter(tiny_drafter, "v2")  # what the follower's swap watcher calls
         [t.join(timeout=300) for t in runs]
         versions = [e.drafter_version for e in engines]

@@ -2,6 +2,7 @@
 import torch
 from prometheus_client import REGISTRY
 
+from tide.contracts import VersionAcceptance
 from tide.engine.accounting import EngineAccounting
 from tide.spec.decode import RowResult, StepStats
 
@@ -25,11 +26,11 @@ def test_rows_of_a_drafted_step_that_kept_no_draft_are_not_the_drafters():
     acct.step("acct-v1", [_row(0), _row(0)], None, has_drafter=True)  # a target-only step
     st = acct.stats()
     assert st.target_forwards == 4  # every row is a target forward ...
-    assert st.acceptance["acct-v1"] == [1, 2, 3]  # ... only the verified one is the drafter's
+    assert st.acceptance["acct-v1"] == VersionAcceptance(forwards=1, accepted=2, committed=3)  # ... only the verified one is the drafter's
     assert _accept_count("acct-v1") - before == 1
 
 
 def test_with_no_drafter_every_row_is_the_baseline():
     acct = EngineAccounting()
     acct.step("none-acct", [_row(0), _row(0)], None, has_drafter=False)
-    assert acct.stats().acceptance["none-acct"] == [2, 0, 2]
+    assert acct.stats().acceptance["none-acct"] == VersionAcceptance(forwards=2, accepted=0, committed=2)

@@ -12,14 +12,13 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any, Iterator
 
 import httpx
 import pytest
 from fake_engine import TOKEN, FakeEngine
 
-from tide.config import EngineConfig, ServerConfig
+from tide.config import EngineConfig, ServerConfig, replace
 from tide.engine.server import HttpServer, build_app, serve
 
 ENGINE_CFG = EngineConfig(max_batch_size=8, max_new_tokens_limit=100, max_prompt_tokens=128,

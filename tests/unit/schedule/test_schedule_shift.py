@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
+from tide.config import replace
 from tide.dataset.schema import Row, partition_values
 from tide.dataset.writer import DataFileWriter
 from tide.process import free_port

@@ -8,6 +8,7 @@ from costs import linear_cost
 from prometheus_client import REGISTRY
 
 import tide.engine.reference as reference
+from tide.contracts import VersionAcceptance
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine
 from tide.spec.generate import generate
@@ -59,7 +60,7 @@ def test_no_drafter_forward_when_verify_cost_exceeds_any_gain(tiny_target, tiny_
     after = REGISTRY.get_sample_value("tide_engine_target_only_steps_total", {"reason": "cost"})
     assert after - before >= 19  # every decode step of the 20 tokens but the prefill's
     st = engine.stats()  # steps it did not draft are not the drafter's acceptance (the guard reads it)
-    assert st.target_forwards >= 4 * 19 and st.acceptance.get("v1", [0, 0, 0])[0] == 0
+    assert st.target_forwards >= 4 * 19 and st.acceptance.get("v1", VersionAcceptance()).forwards == 0
 
 
 def test_gate_turns_a_workload_off_then_a_swap_turns_it_back_on(tiny_target, tiny_drafter):
@@ -76,7 +77,7 @@ def test_gate_turns_a_workload_off_then_a_swap_turns_it_back_on(tiny_target, tin
         outs = _run(engine, ps, 40, "code")
         view = engine.health()
         assert view["speculation"]["code"] == {"on": False, "reason": "acceptance_below_cost"}
-        drafted_steps = engine.stats().acceptance["v1"][0]
+        drafted_steps = engine.stats().acceptance["v1"].forwards
         assert 0 < drafted_steps < engine.stats().target_forwards  # gated steps are not draft steps
         assert REGISTRY.get_sample_value("tide_engine_speculation_enabled",
                                          {"workload": "code", "drafter_version": "v1"}) == 0

@@ -39,10 +39,11 @@ from typing import Any, Iterator
 
 from tide.capture.sampling import SamplingPolicy, unit_hash
 from tide.drafter.artifact import DrafterError, read_metadata
-from tide.engine.base import CaptureSink, Engine, EngineStats, GenerationRequest, TokenEvent
+from tide.engine.base import CaptureSink, Engine, EngineStats, GenerationRequest, TokenEvent, VersionAcceptance
 from tide.engine.sglang import weights
 from tide.engine.sglang.capture import CAPTURE_PARAM, WORKLOAD_PARAM
 from tide.engine.sglang.server_args import LOADER
+from tide.metrics_text import Families, by_label, parse
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +143,8 @@ class SGLangEngine(Engine):
 
     def served_versions(self) -> set[str]:
         """Versions the plugin's loaders report serving (one per scheduler process)."""
-        return {labels["drafter_version"] for name, labels, value in self._metrics()
-                if name == "tide_engine_drafter_info" and value == 1.0}
+        return {s.labels["drafter_version"] for s in self._metrics().get("tide_engine_drafter_info", [])
+                if s.value == 1.0 and "drafter_version" in s.labels}
 
     # --- generation ---------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> Iterator[TokenEvent]:
@@ -221,20 +222,19 @@ class SGLangEngine(Engine):
         with self._lock:
             st = self._stats.copy()
         st.acceptance = self.acceptance_of(self._metrics())
-        st.target_forwards = sum(v[0] for v in st.acceptance.values())
+        st.target_forwards = sum(v.forwards for v in st.acceptance.values())
         return st
 
     @staticmethod
-    def acceptance_of(samples: list[tuple[str, dict, float]]) -> dict[str, list[int]]:
-        """EngineStats.acceptance from the plugin's series: version -> [target forwards (request
-        rows), accepted draft tokens, committed tokens] (summed over SGLang's processes)."""
-        acc: dict[str, list[int]] = {}
-        for name, labels, value in samples:
-            slot = {"tide_engine_target_forwards_total": 0, "tide_engine_accepted_draft_tokens_total": 1,
-                    "tide_engine_accept_length_tokens_sum": 2}.get(name)
-            if slot is not None:
-                acc.setdefault(labels["drafter_version"], [0, 0, 0])[slot] += int(value)
-        return acc
+    def acceptance_of(families: Families) -> dict[str, VersionAcceptance]:
+        """EngineStats.acceptance from the plugin's series (summed over SGLang's processes): target
+        forwards (request rows), accepted draft tokens, committed tokens (the accept-length sum)."""
+        fields = {"forwards": "tide_engine_target_forwards_total",
+                  "accepted": "tide_engine_accepted_draft_tokens_total",
+                  "committed": "tide_engine_accept_length_tokens_sum"}
+        counts = {f: by_label(families, name, "drafter_version") for f, name in fields.items()}
+        versions = set().union(*counts.values())
+        return {v: VersionAcceptance(**{f: int(c.get(v, 0)) for f, c in counts.items()}) for v in versions}
 
     def health(self) -> dict[str, Any]:
         try:
@@ -269,18 +269,11 @@ class SGLangEngine(Engine):
             raise DrafterError(f"SGLang {path}: {answer.get('message')}")
         return answer
 
-    def _metrics(self) -> list[tuple[str, dict, float]]:
+    def _metrics(self) -> Families:
+        """The tide_engine_* families of SGLang's /metrics ({} while it cannot be reached)."""
         try:
             with self._open("/metrics", None, timeout_s=10.0) as resp:
-                return tide_samples(resp.read().decode())
+                return parse(resp.read().decode(), prefix="tide_engine_")
         except OSError as exc:
             log.warning("SGLang /metrics unreachable: %s", exc)
-            return []
-
-
-def tide_samples(text: str) -> list[tuple[str, dict, float]]:
-    """The tide_engine_* samples of a Prometheus exposition (SGLang's /metrics)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name.startswith("tide_engine_")]
+            return {}

@@ -10,10 +10,12 @@ from prometheus_client import generate_latest
 from test_sglang_weights import build_sglang_draft, sglang_params_of
 
 from tide import metrics
+from tide.contracts import VersionAcceptance
 from tide.drafter.artifact import save_drafter
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.sglang import plugin
 from tide.engine.sglang.engine import SGLangEngine
+from tide.metrics_text import parse
 from tide.train.offline import new_drafter
 
 
@@ -72,13 +74,13 @@ def test_swap_bodies_are_sglangs_requests_and_the_update_swaps_the_draft(sglang_
 
 
 def test_stats_read_the_plugins_counters_back(engine_and_candidate):
-    from tide.engine.sglang.engine import tide_samples
-
     engine, _, _ = engine_and_candidate
-    before = engine.acceptance_of(tide_samples(generate_latest().decode())).get("9", [0, 0, 0])
+
+    def read() -> dict:
+        return engine.acceptance_of(parse(generate_latest().decode(), prefix="tide_engine_"))
+    before = read().get("9", VersionAcceptance())
     metrics.ENGINE_TARGET_FORWARDS.labels("9").inc(3)
     metrics.ENGINE_ACCEPTED_TOKENS.labels("9").inc(4)
     for n in (1, 3, 3):
         metrics.ENGINE_ACCEPT_LENGTH.labels("9").observe(n)
-    after = engine.acceptance_of(tide_samples(generate_latest().decode()))["9"]
-    assert [a - b for a, b in zip(after, before)] == [3, 4, 7]
+    assert read()["9"] - before == VersionAcceptance(forwards=3, accepted=4, committed=7)

@@ -3,12 +3,11 @@ plugin's start-up checks; the plugin's switches reach the server's environment."
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import pytest
 
-from tide.config import TideConfig
+from tide.config import TideConfig, replace
 from tide.drafter.artifact import save_drafter
 from tide.engine.sglang import plugin, server_args
 
@@ -24,7 +23,7 @@ def _parsed(argv: list[str]):
 def test_the_server_command_is_what_sglang_parses_and_the_plugin_accepts(sglang, tiny_drafter, tmp_path):
     folder = save_drafter(tiny_drafter, tmp_path / "d")
     cfg = TideConfig()
-    cfg = dataclasses.replace(cfg, sglang=dataclasses.replace(cfg.sglang, extra_args=("--disable-custom-all-reduce",)))
+    cfg = replace(cfg, sglang=replace(cfg.sglang, extra_args=("--disable-custom-all-reduce",)))
     argv = server_args.server_command(cfg, "/models/target", folder)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     args = _parsed(argv[3:])
