@@ -421,8 +421,10 @@ def test_collapse_with_no_previous_champion_alerts_and_keeps_serving(make_stack,
     s = make_stack(guard_enabled=True, guard_interval_s=0.1, guard_window_forwards=60, guard_floor=5.0)
     # judged only once it serves drafter 1: traffic served by the configured drafter is not its window
     wait(lambda: s.serving() == "1", 60, what="the follower to bootstrap drafter 1")
-    s.traffic()  # ~300 forwards: 5 guard windows
-    wait(lambda: REGISTRY.get_sample_value("tide_ops_collapse_alert") == 1, 30, what="the collapse alert")
+    # the guard judges drafted rows only, and under the default scheduler a drafter this poor drafts on
+    # probe steps alone: traffic goes on (bounded) until drafter 1 has filled a window
+    alerted = lambda: REGISTRY.get_sample_value("tide_ops_collapse_alert") == 1  # noqa: E731
+    wait(lambda: alerted() or (s.traffic() and alerted()), 180, what="the collapse alert")
     assert s.serving() == "1" and s.registry.aliases() == {CHAMPION: 1} and s.registry.operations() == []
     assert s.control("GET", "health").json()["ops"]["refused"] == {}
 
@@ -450,8 +452,7 @@ def test_engine_serves_while_the_registry_is_unreachable_and_follows_once_it_is_
 
 
 def _as_overrides(cfg) -> dict:
-    import dataclasses
-    return {k: v for k, v in dataclasses.asdict(cfg).items()}
+    return cfg.model_dump()
 
 
 def test_auto_promotion_policy_against_the_registry(make_stack, tiny):
