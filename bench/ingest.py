@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import print_table, write_json
     from tide import broker
     from tide.config import IngestConfig, KafkaConfig
-    from tide.dataset.ingest import ensure_topics
+    from tide.dataset.topics import ensure_topics
 
     with tempfile.TemporaryDirectory(prefix="tide-bench-ingest-") as tmp:
         stack = None

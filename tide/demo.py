@@ -9,8 +9,8 @@ Steps:
    as replay; the retrain registers a challenger, auto-promotion makes it champion, the engine
    swaps it in (the first swap); the next retrain, at the full threshold, trains on more of the
    new traffic and replaces it (the final swap); traffic keeps flowing until the final drafter
-   has served enough requests and forwards and the dashboard has recorded it (``LoopWatch``:
-   each wait is bounded, and a wait that runs out says why in the report);
+   has served enough requests and forwards and the dashboard has recorded it (``LoopWatch``, in
+   tide/demo_watch.py: each wait is bounded, and a wait that runs out says why in the report);
 4. stop everything, then a controlled comparison in one process with nothing else running:
    the same held-out prompts of each workload, target-only vs static drafter vs the first and the
    final adapted drafter;
@@ -42,14 +42,14 @@ import httpx
 from tide import prometheus
 from tide.comparison import SERVED_SCHEDULER, comparison, download, load_prompts, say, workload_names
 from tide.config import load_config
-from tide.metrics import SCHED_RETRAINS_FINISHED
+from tide.demo_watch import LoopWatch, retrains_finished, serving_version
 from tide.process import port_or_free
 from tide.report import plot_acceptance, speculation_timeline, timeline_lines, write_summary
 from tide.schedule.scheduler import default_state_path
 from tide.schedule.state import jobs_report
 from tide.services import page_data
 from tide.stack import DEFAULT_PORTS, Stack, StackOptions
-from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, metric_value, replay, scrape
+from tide.traffic import AcceptanceSampler, TrafficResult, loop_status, replay
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,6 @@ class DemoSettings:
                    # only one (the loop closes on its swap)
                    shift_min_tokens=7_500, shift_recent_tokens=500, shift_reference_tokens=1000,
                    shift_train={"max_train_s": "120"}, final_timeout_s=0)
-
-
-def _champion(engine_url: str) -> str:
-    return httpx.get(f"{engine_url}/health", timeout=5).json().get("drafter_version", "?")
 
 
 # what a demo reuses from the home: built once, and the same for every run
@@ -191,7 +187,7 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
     say("TIDE is up:\n" + stack.describe())
     url = stack.endpoints["engine"]
     names = workload_names(before, after)  # as people name them: a file by its records' tag or its stem
-    static_version = _champion(url)
+    static_version = serving_version(url)
     sampler = AcceptanceSampler([f"{u}/metrics" for u in stack.engine_urls], interval_s=5).start()
     summary: dict = {"settings": settings.__dict__, "endpoints": stack.endpoints, "static_version": static_version}
     swaps: list[tuple[float, str]] = []  # (t_s on the sampler's clock, version)
@@ -227,13 +223,13 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
         summary["loop"] = watch.outcome()
         say("loop closed: " + watch.evidence() if watch.closed else f"loop NOT closed: {watch.reason}")
         summary["traffic"] = {"before": _traffic(r1), "after": _traffic(r2)}
-        summary["retrains_finished"] = _retrains_finished(stack)
+        summary["retrains_finished"] = retrains_finished(stack)
         summary["registry_versions"] = _versions(stack)
         summary["retrain_s_after_shift"] = swaps[0][0] - (t_shift - sampler.t0) if swaps else None
         summary["shift"] = _scheduler_health(stack).get("shift")  # what the scheduler detected, and when
     finally:
         sampler.stop()
-        adapted = _champion(url) if stack.services else static_version
+        adapted = serving_version(url) if stack.services else static_version
         summary["speculation"] = _speculation(stack, time.time() - (time.monotonic() - sampler.t0))
         summary["dashboard"] = _dashboard(stack, time.monotonic() - t_start)
         mlflow = stack.endpoints.get("mlflow", tracking_uri)
@@ -260,149 +256,12 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
     return summary
 
 
-class LoopWatch:
-    """Phase 2's stop rule. Traffic goes on until the loop has shown what it must: the engine
-    swapped to a retrained drafter (the first swap: the shift's quick retrain); with
-    ``final_timeout_s``, a retrain launched after it finished and its drafter swapped in (or was
-    not promoted within ``not_promoted_grace_s``); then the drafter serving served
-    ``after_requests`` requests and ``after_min_forwards`` target forwards
-    (``after_min_drafted_forwards`` of them on rows it drafted), and the stack's Prometheus has
-    recorded its acceptance (the dashboard's series). Each wait is bounded; past a bound
-    ``reason`` says which event did not come and where the loop stood."""
-
-    CHECK_EVERY_S = 2.0  # done() runs before every request; the scrapes behind it need not
-
-    def __init__(self, stack: Stack, sampler: AcceptanceSampler, static_version: str,
-                 settings: DemoSettings, t_shift: float):
-        self.stack, self.sampler, self.settings, self.t_shift = stack, sampler, settings, t_shift
-        self.static_version = self.version = static_version
-        self.swaps: list[tuple[float, str]] = []
-        self.t_swap: float | None = None
-        self.t_first_swap: float | None = None
-        self.finished_at_first_swap = 0.0  # retrains finished when the first swap came
-        self.final_note: str | None = None  # how the wait for the final drafter ended
-        self.t_closed: float | None = None
-        self.served_after = 0
-        self.closed = False
-        self.reason: str | None = None
-        self._lock = threading.Lock()
-        self._next_check = 0.0
-        self._finished_at: float | None = None
-
-    def on_done(self, *_) -> str:
-        """After each request: follow the engine's serving version; returns it."""
-        version = _champion(self.stack.endpoints["engine"])
-        if version == "mixed":  # engines disagree while a rollout is under way: not swapped yet
-            version = self.version
-        with self._lock:
-            if version != self.version:
-                self.swaps.append((time.monotonic() - self.sampler.t0, version))
-                self.sampler.mark(f"swap to v{version}")
-                say(f"engine now serves drafter {version}")
-                self.version, self.t_swap, self.served_after = version, time.monotonic(), 0
-                if self.t_first_swap is None:
-                    self.t_first_swap, self.finished_at_first_swap = self.t_swap, _retrains_finished(self.stack)
-            if version != self.static_version:
-                self.served_after += 1
-        return version
-
-    def done(self) -> bool:
-        with self._lock:
-            if self.closed or self.reason is not None:
-                return True
-            now = time.monotonic()
-            if now < self._next_check:
-                return False
-            self._next_check = now + self.CHECK_EVERY_S
-            if self.t_swap is None:
-                self.reason = self._no_swap_reason(now)
-            else:
-                self._check_after_swap(now)
-            return self.closed or self.reason is not None
-
-    def _no_swap_reason(self, now: float) -> str | None:
-        s = self.settings
-        if now - self.t_shift > s.swap_timeout_s:
-            return (f"no swap within {s.swap_timeout_s:.0f} s of the shift ("
-                    + loop_status(self.stack.endpoints["ingest metrics"], self.stack.endpoints["scheduler metrics"])
-                    + ")")
-        finished = _retrains_finished(self.stack)
-        if finished >= s.max_unpromoted_retrains:
-            self._finished_at = self._finished_at or now
-            if now - self._finished_at > s.not_promoted_grace_s:
-                return (f"{finished} retrains finished but no challenger was promoted "
-                        "(held-out metrics: registry_versions)")
-        return None
-
-    def _check_after_swap(self, now: float) -> None:
-        if not self._final_done(now):
-            if now - self.t_first_swap > self.settings.final_timeout_s:
-                self.reason = (f"{self.settings.final_timeout_s:.0f} s after the first swap, no later retrain "
-                               "finished and swapped in (" + loop_status(self.stack.endpoints["ingest metrics"],
-                                                                         self.stack.endpoints["scheduler metrics"]) + ")")
-            return
-        missing = self.missing()
-        if not missing:
-            self.closed, self.t_closed = True, now
-        elif now - self.t_swap > self.settings.after_timeout_s:
-            self.reason = (f"{self.settings.after_timeout_s:.0f} s after the swap to drafter {self.version}, "
-                           "still missing: " + "; ".join(missing))
-
-    def _final_done(self, now: float) -> bool:
-        """The final drafter serves: a retrain launched after the first swap finished, and its drafter
-        swapped in or was not promoted within the grace (``final_timeout_s`` 0: the first swap is final)."""
-        if self.settings.final_timeout_s <= 0 or self.final_note is not None:
-            return True
-        if len(self.swaps) > 1:
-            self.final_note = f"the retrain after the first swap swapped in drafter {self.version}"
-            return True
-        if _retrains_finished(self.stack) <= self.finished_at_first_swap:
-            return False
-        self._finished_at = self._finished_at or now
-        if now - self._finished_at > self.settings.not_promoted_grace_s:
-            self.final_note = "the retrain after the first swap finished without a promoted challenger"
-            return True
-        return False
-
-    def missing(self) -> list[str]:
-        """What the adapted drafter has not shown yet (empty: the loop closed)."""
-        s, out = self.settings, []
-        if self.served_after < s.after_requests:
-            out.append(f"{s.after_requests} requests served by it ({self.served_after} so far)")
-        since_s = self.t_swap - self.sampler.t0
-        served = self.sampler.served_forwards_since(since_s, self.version)
-        if served < s.after_min_forwards:
-            out.append(f"{s.after_min_forwards} live target forwards ({served:.0f} so far)")
-        drafted = self.sampler.forwards_since(since_s, self.version)
-        if drafted < s.after_min_drafted_forwards:
-            out.append(f"{s.after_min_drafted_forwards} live target forwards of drafted rows ({drafted:.0f} so far)")
-        base = self.stack.endpoints.get("prometheus")
-        if base is not None and not prometheus.has_accept_sample(base, self.version):
-            out.append(f"a dashboard sample of {prometheus.ACCEPT_SERIES} for it")
-        return out
-
-    def evidence(self) -> str:
-        return (f"drafter {self.version} served {self.served_after} requests in "
-                f"{self.t_closed - self.t_swap:.0f} s after the swap, with its dashboard series recorded")
-
-    def outcome(self) -> dict:
-        first = round(self.t_first_swap - self.t_shift, 1) if self.t_first_swap else None
-        return {"closed": self.closed, "reason": self.reason, "served_after_swap": self.served_after,
-                "post_swap_s": round((self.t_closed or time.monotonic()) - self.t_swap, 1) if self.t_swap else None,
-                "shift_to_swap_s": round(self.t_swap - self.t_shift, 1) if self.t_swap else None,
-                "shift_to_first_swap_s": first, "swaps": len(self.swaps), "final": self.final_note}
-
-
 def _scheduler_health(stack: Stack) -> dict:
     """The scheduler's /health body ({} when it does not answer)."""
     try:
         return httpx.get(stack.endpoints["scheduler metrics"].removesuffix("/metrics") + "/health", timeout=5).json()
     except (httpx.HTTPError, ValueError):
         return {}
-
-
-def _retrains_finished(stack: Stack) -> float:
-    return metric_value(scrape(stack.endpoints["scheduler metrics"]), SCHED_RETRAINS_FINISHED) or 0.0
 
 
 def _versions(stack: Stack) -> list[dict]:

@@ -15,7 +15,7 @@ from tide import metrics
 from tide.capture import CaptureTap
 from tide.config import CaptureConfig, IngestConfig, KafkaConfig
 from tide.dataset import DatasetReader, DatasetTable
-from tide.dataset.ingest import ensure_topics
+from tide.dataset.topics import ensure_topics
 
 H = 64
 BROKER_DOWN_S = float(os.environ.get("TIDE_TEST_BROKER_DOWN_S", "30"))

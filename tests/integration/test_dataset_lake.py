@@ -13,12 +13,12 @@ import pytest
 from kafka import KafkaProducer
 
 from tide.config import IngestConfig, KafkaConfig
-from tide.dataset.ingest import ensure_topics
 from tide.dataset.location import Location
 from tide.dataset.reader import DatasetReader
 from tide.dataset.retention import apply_retention, compact, delete_requests
 from tide.dataset.schema import Row, partition_values
 from tide.dataset.table import DatasetTable
+from tide.dataset.topics import ensure_topics
 from tide.dataset.writer import DataFileWriter
 from tide.records import Record, encode, split
 from tide.train.window import WindowSpec, plan_window

@@ -7,7 +7,7 @@ import torch
 from tide.capture.tap import CaptureTap
 from tide.config import CaptureConfig, IngestConfig, KafkaConfig
 from tide.dataset import DatasetReader, DatasetTable
-from tide.dataset.ingest import ensure_topics
+from tide.dataset.topics import ensure_topics
 from tide.engine.base import GenerationRequest, SamplingParams
 from tide.engine.reference import ReferenceEngine
 from tide.models.llama import LlamaTarget

@@ -20,9 +20,10 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from tide.config import IngestConfig, KafkaConfig
-from tide.dataset.ingest import FAULT_DIR_ENV, ensure_topics
+from tide.dataset.ingest import FAULT_DIR_ENV
 from tide.dataset.location import Location
 from tide.dataset.table import DatasetTable
+from tide.dataset.topics import ensure_topics
 from tide.records import Record, encode, split
 
 KILLS = 5

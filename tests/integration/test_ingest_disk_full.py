@@ -14,8 +14,8 @@ import numpy as np
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from tide.config import IngestConfig, KafkaConfig
-from tide.dataset.ingest import ensure_topics
 from tide.dataset.table import DatasetTable
+from tide.dataset.topics import ensure_topics
 from tide.health_server import HealthServer
 from tide.records import Record, encode
 

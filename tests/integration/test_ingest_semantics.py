@@ -14,7 +14,7 @@ from kafka.structs import OffsetAndMetadata
 
 from tide.config import IngestConfig, KafkaConfig
 from tide.dataset import DatasetReader, DatasetTable
-from tide.dataset.ingest import ensure_topics
+from tide.dataset.topics import ensure_topics
 from tide.records import Record, encode
 
 H = 64

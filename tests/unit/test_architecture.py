@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tide.engine", "tide.registry", "tide.drafting"),  # the engine knows nothing of ops/training
     ("tide.ops", "tide.train", "tide.schedule", "tide.report", "tide.traffic", "tide.prometheus", "tide.broker"),
     # services: processes and commands, built over the library; the library never imports them
-    ("tide.services", "tide.service", "tide.stack", "tide.comparison", "tide.demo", "tide.cli"),
+    ("tide.services", "tide.service", "tide.stack", "tide.comparison", "tide.demo_watch", "tide.demo", "tide.cli"),
 ]
 
 

@@ -164,7 +164,7 @@ def test_strict_validation_refuses_what_the_api_server_would():
 
 
 def test_the_strimzi_topics_and_users_are_the_ones_tide_uses(tmp_path):
-    from tide.dataset.ingest import wanted_topics
+    from tide.dataset.topics import wanted_topics
 
     variant = "k8s/overlays/stack"
     (kafka,) = named(variant, "Kafka").values()

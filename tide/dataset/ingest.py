@@ -52,6 +52,7 @@ from tide.dataset.partitions import PartitionState, Seal, app_id
 from tide.dataset.schema import Row, partition_path, partition_values
 from tide.dataset.table import DatasetTable
 from tide.dataset.tombstones import Tombstones
+from tide.dataset.topics import ensure_topics
 from tide.dataset.writer import DataFileWriter
 from tide.dataset.writer_thread import Batch, WriterThread
 from tide.records import RecordError, decode
@@ -60,35 +61,6 @@ log = logging.getLogger(__name__)
 # tests only: while <dir>/pause-after-table-commit exists, a seal pauses between its table commit
 # and its Kafka commit (after creating <dir>/paused-<pid>), so a test can kill it exactly there
 FAULT_DIR_ENV = "TIDE_INGEST_FAULT_DIR"
-
-
-def wanted_topics(config: IngestConfig, kafka: KafkaConfig) -> list:
-    """The data and dead-letter topics (named by ``kafka``) as ingest creates them (NewTopic specs)."""
-    from kafka.admin import NewTopic
-
-    topic_configs = {"retention.ms": str(config.topic_retention_ms)} if config.topic_retention_ms else {}
-    return [NewTopic(kafka.topic, config.topic_partitions, config.replication_factor, topic_configs=topic_configs),
-            NewTopic(kafka.dead_letter_topic, 1, config.replication_factor, topic_configs=topic_configs)]
-
-
-def ensure_topics(config: IngestConfig, kafka: KafkaConfig) -> None:
-    """Create the data and dead-letter topics if missing (explicitly: auto-created topics get
-    whatever partition count and retention the broker likes)."""
-    from kafka import KafkaAdminClient
-    from kafka.errors import TopicAlreadyExistsError
-
-    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers.split(","),
-                             client_id="tide-ingest-admin")
-    try:
-        existing = set(admin.list_topics())
-        missing = [t for t in wanted_topics(config, kafka) if t.name not in existing]
-        if missing:
-            try:
-                admin.create_topics(missing)
-            except TopicAlreadyExistsError:
-                pass  # created concurrently by another ingest replica
-    finally:
-        admin.close()
 
 
 class Ingestor:

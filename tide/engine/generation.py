@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from tide import metrics
 from tide.engine import openai_api as api
+from tide.engine import openai_responses as responses
 from tide.engine.base import Engine, GenerationRequest, SamplingParams, TokenEvent
 from tide.engine.request_stream import Admission, EngineStream, engine_error
 from tide.engine.text_stream import TextStream
@@ -208,12 +209,12 @@ class Generations:
             self.finish(job)
 
     def tide_info(self, job: Job) -> dict[str, Any]:
-        return api.tide_extension(self.engine.drafter_version, job.completion_tokens, job.steps)
+        return responses.tide_extension(self.engine.drafter_version, job.completion_tokens, job.steps)
 
     def body(self, job: Job, text: str) -> dict[str, Any]:
-        make = api.chat_body if job.chat else api.completion_body
+        make = responses.chat_body if job.chat else responses.completion_body
         return make(job.rid, job.created, self.engine.target_model_id, text, job.finish_reason,
-                    api.usage(job.prompt_len, job.completion_tokens), self.tide_info(job))
+                    responses.usage(job.prompt_len, job.completion_tokens), self.tide_info(job))
 
     async def events(self, job: Job) -> AsyncIterator[str]:
         """SSE chunks of a streamed job, ending in ``data: [DONE]``."""
@@ -221,23 +222,24 @@ class Generations:
 
         def chunk(text: str | None, reason: str | None) -> str:
             if chat:
-                obj = api.chat_chunk(job.rid, job.created, model, {"content": text} if text else {}, reason)
+                obj = responses.chat_chunk(job.rid, job.created, model, {"content": text} if text else {}, reason)
             else:
-                obj = api.completion_chunk(job.rid, job.created, model, text, reason)
+                obj = responses.completion_chunk(job.rid, job.created, model, text, reason)
             if job.usage_on_every_chunk:
-                obj["usage"] = api.usage(job.prompt_len, job.completion_tokens)
+                obj["usage"] = responses.usage(job.prompt_len, job.completion_tokens)
             return sse(obj)
 
         try:
             if chat:
-                yield sse(api.chat_chunk(job.rid, job.created, model, {"role": "assistant", "content": ""}, None))
+                yield sse(responses.chat_chunk(job.rid, job.created, model, {"role": "assistant", "content": ""}, None))
             async for delta in self.pieces(job):
                 yield chunk(delta, None)
             yield chunk(None, job.finish_reason)
             if job.include_usage:
-                yield sse(api.usage_chunk(job.rid, job.created, model,
-                                          "chat.completion.chunk" if chat else "text_completion",
-                                          api.usage(job.prompt_len, job.completion_tokens), self.tide_info(job)))
+                yield sse(responses.usage_chunk(job.rid, job.created, model,
+                                                "chat.completion.chunk" if chat else "text_completion",
+                                                responses.usage(job.prompt_len, job.completion_tokens),
+                                                self.tide_info(job)))
         except api.APIError as exc:  # headers are sent: report in-band, as OpenAI does
             log.warning("request %s failed mid-stream: %s", job.rid, exc.message)
             yield sse(exc.body())

@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from tide.config import EngineConfig, ServerConfig
 from tide.engine import openai_api as api
+from tide.engine import openai_responses as responses
 from tide.engine.base import Engine
 from tide.engine.generation import ClientGone, Generations, unless_client_leaves
 from tide.engine.http_conn import ConnectionLimits
@@ -109,7 +110,7 @@ class _Routes:
         return await self._respond(request, await self._read(request, api.ChatCompletionRequest), chat=True)
 
     async def models(self) -> dict[str, Any]:
-        return api.models_body(self.engine.target_model_id, int(self.started_at))
+        return responses.models_body(self.engine.target_model_id, int(self.started_at))
 
     def _status(self) -> dict[str, Any]:
         st = self.engine.stats()

@@ -18,7 +18,8 @@ Steps of ``run_retrain``:
    the EAGLE3 loss; log the loss curve and both evaluations;
 7. save the candidate, log the folder with its digest, register a version tagged with its
    lineage (the table version and URI it read among them) and both acceptance lengths, alias
-   ``challenger`` (``Registry.register``: a killed job leaves no registered version), close the run.
+   ``challenger`` (tide/train/register.py; ``Registry.register``: a killed job leaves no registered
+   version), close the run.
 The result (status, version, run id, metrics, the table version read) goes to ``--result-json``.
 ``train.data_version`` (``TIDE_TRAIN__DATA_VERSION``) re-runs a retrain on a registered version's
 ``tide.data_table_version``: the same window, replay and held-out requests.
@@ -44,31 +45,18 @@ from tide.contracts import (
     RETRAIN_FAILED,
     RETRAIN_NOTHING_TO_DO,
     RETRAIN_REGISTERED,
-    TAG_CODE,
-    TAG_DATA_URI,
-    TAG_DATA_VERSION,
-    TAG_HELDOUT_POSITIONS,
-    TAG_HELDOUT_REQUESTS,
     TAG_KIND,
     TAG_PARENT,
-    TAG_PARENT_SIM_ACCEPT,
-    TAG_RECENT_REQUESTS,
-    TAG_REGISTERED_VERSION,
-    TAG_REPLAY_REQUESTS,
-    TAG_RUN_ID,
-    TAG_SIM_ACCEPT,
-    TAG_TRAIN_TOKENS,
-    TAG_WINDOW_END,
-    TAG_WINDOW_START,
 )
 from tide.dataset.location import Location
-from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_, save_drafter
+from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_
 from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
 from tide.registry import Registry, code_version
 from tide.train.confidence import fit_for_retrain
 from tide.train.memory import PhaseMemory
 from tide.train.ranks import announce, current_ranks, run_rank, start, train_kwargs
+from tide.train.register import register_candidate
 from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, plan_window
 
 log = logging.getLogger(__name__)
@@ -195,7 +183,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
         trained = _train_and_evaluate(cfg, inputs, run, progress, memory, work)
         trained.metrics["load_s"] = inputs.loaded_at - t_start
         with memory.phase("register"):
-            info = _register(cfg, registry, run, inputs, trained, code, work)
+            info = register_candidate(cfg, registry, run, inputs, trained, code, work)
         trained.metrics.update({"total_s": time.monotonic() - t_start, **memory.metrics(), **_cpu_use()})
         run.log_metrics({"total_s": trained.metrics["total_s"], **memory.metrics(), "cpu_s": trained.metrics["cpu_s"]})
         run.finish("FINISHED")
@@ -309,37 +297,6 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     log.info("retrain: sim accept length %.3f -> %.3f on %d held-out positions",
              before.accept_length, after.accept_length, after.positions)
     return _Trained(before, after, trained.loss_curve, metrics)
-
-
-def _register(cfg, registry: Registry, run, inputs: _Inputs, trained: _Trained, code: str, work: Path):
-    """Step 7: save the candidate, log it with its digest, register it as ``challenger``."""
-    import torch
-
-    plan, data, before, after = inputs.plan, inputs.data, trained.before, trained.after
-    lineage = {TAG_KIND: "retrain", TAG_PARENT: inputs.parent, TAG_CODE: code,
-               TAG_WINDOW_START: plan.window_start_s, TAG_WINDOW_END: plan.window_end_s,
-               TAG_RECENT_REQUESTS: len(plan.recent), TAG_REPLAY_REQUESTS: len(plan.replay),
-               TAG_HELDOUT_REQUESTS: len(data.heldout), TAG_TRAIN_TOKENS: data.train_tokens,
-               TAG_SIM_ACCEPT: round(after.accept_length, 4),
-               TAG_PARENT_SIM_ACCEPT: round(before.accept_length, 4),
-               TAG_HELDOUT_POSITIONS: after.positions, TAG_RUN_ID: run.run_id,
-               TAG_DATA_VERSION: plan.data_version, TAG_DATA_URI: plan.data_uri}
-    folder = save_drafter(inputs.candidate, work / "drafter", metadata={
-        "version": f"run-{run.run_id}", "parent_version": inputs.parent, "run_id": run.run_id,
-        "data_window": [plan.window_start_s, plan.window_end_s], "target": cfg.model.model_id,
-        "heldout_sim_accept_length": round(after.accept_length, 4),
-        "parent_heldout_sim_accept_length": round(before.accept_length, 4),
-        "parent_recorded_sim_accept_length": inputs.parent_recorded, "code_version": code}, dtype=torch.bfloat16)
-    run.log_json("retrain.json", {"plan": plan.summary(), "metrics": trained.metrics,
-                                  "loss_curve": trained.loss_curve,
-                                  "request_ids": {"recent": plan.recent, "replay": plan.replay,
-                                                  "heldout": plan.heldout}})
-    artifact = run.log_drafter(folder)
-    run.log_metrics(trained.metrics)
-    info = registry.register(artifact, lineage, alias=CHALLENGER,
-                             description=f"retrain of {inputs.parent} on {len(data.train)} requests")
-    run.set_tags({TAG_REGISTERED_VERSION: info.version})
-    return info
 
 
 def _auto_promote(registry: Registry, cfg) -> dict:

@@ -1,7 +1,7 @@
 """The topics ingest creates carry a retention: captured hidden states are user data, and the
 broker's copy only has to outlive an ingest outage (the Parquet dataset has its own TTL)."""
 from tide.config import IngestConfig, KafkaConfig
-from tide.dataset.ingest import wanted_topics
+from tide.dataset.topics import wanted_topics
 
 
 def test_created_topics_carry_the_configured_retention():
