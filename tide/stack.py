@@ -167,7 +167,7 @@ class Stack:
 
     def _start_store(self, logs: Path) -> int:
         """SeaweedFS's S3 with the dataset's bucket; returns its port."""
-        port = free_port()
+        port = broker.free_port(grpc_offset=True)  # weed also listens on port + 10000 (its S3 gRPC)
         svc = ServiceProcess("object store", [sys.executable, "-m", "tide.broker", "run", "store", "--s3-port",
                                               str(port), "--state-dir", str(self.opts.home / "store"),
                                               "--bucket", broker.DATASET_BUCKET], logs / "store.log")

@@ -107,3 +107,22 @@ def test_tide_yaml_is_owner_only_from_its_first_byte(tmp_path):
         p.write_text(text)
         p.chmod(0o600)
     assert _exposures(naive, tmp_path / "naive.yaml")
+
+
+def test_the_object_store_gets_an_s3_port_whose_grpc_port_exists(tmp_path, monkeypatch):
+    """weed listens on its S3 port and on that port + 10000: a port above 55535 made it die at start-up."""
+    import pytest
+
+    from tide import broker
+
+    asked = []
+
+    def pick(*args, **kwargs):
+        asked.append(kwargs)
+        raise RuntimeError("picked")
+    monkeypatch.setattr(broker, "free_port", pick)
+    with pytest.raises(RuntimeError, match="picked"):
+        Stack(StackOptions(tmp_path, prometheus=False))._start_store(tmp_path / "logs")
+    assert asked == [{"grpc_offset": True}]
+    with pytest.raises(broker.BrokerError, match="gRPC port"):  # a port given from outside is checked too
+        broker.BrokerStack("store", 0, tmp_path, s3_port=60001).start_store(1.0)
