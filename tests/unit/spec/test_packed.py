@@ -62,7 +62,9 @@ def test_greedy_identical_with_different_draft_lengths_per_row_in_one_packed_ver
         assert out == generate(tiny_target, None, p, 40)[0]
     mixed = [s for s in steps if s.packed and min(s.drafted) < max(s.drafted) and max(s.drafted) >= 2]
     assert mixed, [s.drafted for s in steps]  # rows of one verify carried different drafts, unpadded
-    assert accepted.accepted > 0 and any(s.accepted[b] >= 2 for s in mixed for b in range(len(s.drafted)))
+    # and a packed verify accepted deep drafts (which steps mix depths follows the live cost table, so
+    # the deep accept is not asked of a mixed step in particular)
+    assert accepted.accepted > 0 and any(max(s.accepted) >= 2 for s in steps if s.packed), [s.accepted for s in steps]
 
 
 def _spy(real, record):
