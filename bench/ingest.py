@@ -10,11 +10,15 @@ Steps:
    files, Delta commits with application transactions, Kafka commits) into a fresh table (a
    local directory) until its group has committed everything;
 5. two replicas: two such workers in one group over the same backlog into one fresh table;
-   their combined rate runs from the first one's first message to the last one's last commit;
-6. every worker times from its first non-empty poll and reports peak RSS (VmHWM); steps 3-5
+   their combined rate runs from the first one's first batch to the last one's last commit;
+6. every worker times from the arrival of its first batch (not counted: a first poll that joins
+   the group holds the join's wait) and reports peak RSS (VmHWM); steps 3-5
    alternate for --rounds rounds so load from other processes hits all alike. Results: the
    median ratio one replica / raw (floor 0.8), two replicas / one with its range over the rounds
-   (floor 1.3 on 2 cores with the broker beside them), the ingest peak RSS (floor < 1 GiB).
+   (floor 1.3 on 2 cores with the broker beside them), the ingest peak RSS (floor < 1 GiB). Two over
+   one is given end to end (the group's join and rebalance and the durable tail included: fixed
+   costs a short backlog makes weigh) and steady (every replica consuming: the throughput a longer
+   backlog tends to).
 
     python -m bench.ingest [--backlog-mb 1024] [--json reports/bench/ingest.json]
     python -m bench.ingest --backlog-mb 200       # a short run: the fixed commit tail weighs more
@@ -99,14 +103,13 @@ def worker_consume(args: argparse.Namespace) -> dict:
     first = None
     cpu = time.process_time()
     while count < args.messages:
-        t = time.perf_counter()
         batch = consumer.poll(timeout_ms=500)
         for records in batch.values():
-            if first is None:
-                first = t
             for message in records:
                 count += 1
-                nbytes += len(message.value)
+                nbytes += len(message.value) if first is not None else 0
+        if batch and first is None:  # timed from the first batch's arrival, which is not counted
+            first = time.perf_counter()
     elapsed = time.perf_counter() - first
     cpu = time.process_time() - cpu
     consumer.close()
@@ -141,30 +144,62 @@ def worker_ingest(args: argparse.Namespace) -> dict:
     idle_rss = _peak_rss_mib()
     first = None
     count = polls = 0
+    group_checked_s = 0.0
+    marks: list[tuple[float, int]] = []  # (after a non-empty poll, messages so far): the steady window
     cpu = time.process_time()
     while True:
-        t = time.time()
         n = ingestor.poll_once()
-        if n and first is None:
-            first = t
         count += n
         polls += 1
+        if n:
+            marks.append((time.time(), count))
         if n == 0 or polls % 10 == 0:
             mine = ingestor.positions()  # all of ours consumed: close commits it (no roll wait)
             if mine and all(p >= ends[tp] for tp, p in mine.items()):
                 break
-            if not mine and n == 0 and _group_done(probe, args.topic, ends):
-                break
+            # partitionless: done once the group is (asked at most every second: a replica polling
+            # while it joins is what keeps its join from being dropped, tide/config's join_poll_timeout_s)
+            if not mine and n == 0 and time.time() - group_checked_s > 1.0:
+                group_checked_s = time.time()
+                if _group_done(probe, args.topic, ends):
+                    break
     ingestor.close(flush=True)  # commits what is still open (nothing, once the group is done)
     last = time.time()
     cpu = time.process_time() - cpu
     probe.close(autocommit=False)
-    nbytes = args.bytes * count / max(1, args.messages)
-    first = last if first is None else first
-    return {"messages": count, "bytes": nbytes, "first_s": first, "last_s": last, "seconds": last - first,
+    # timed from the first batch's arrival (as the raw consume), which is not counted: a first poll
+    # that joins the group holds the join's wait
+    first, skipped = marks[0] if marks else (last, 0)
+    nbytes = args.bytes * (count - skipped) / max(1, args.messages)
+    return {"messages": count, "bytes": nbytes, "first_s": first, "first_batch": skipped, "last_s": last,
+            "seconds": last - first,
             "cpu_seconds": cpu, "mb_per_s": nbytes / max(1e-9, last - first) / 1e6,
             "peak_rss_mib": _peak_rss_mib(), "rss_after_imports_mib": idle_rss,
-            "files": int(metrics.INGEST_FILES._value.get()), "rows": int(metrics.INGEST_ROWS._value.get())}
+            "files": int(metrics.INGEST_FILES._value.get()), "rows": int(metrics.INGEST_ROWS._value.get()),
+            "marks": marks}
+
+
+def _count_at(marks: list, t: float) -> float:
+    """Messages a worker had consumed at time t, linear between its polls."""
+    before = [(0.0, 0)] + [m for m in marks if m[0] <= t]
+    after = [m for m in marks if m[0] > t]
+    (t0, c0) = before[-1]
+    if not after or len(before) == 1:
+        return float(c0 if not after else 0)
+    (t1, c1) = after[0]
+    return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+
+
+def steady_mb_per_s(workers: list[dict], bytes_per_message: float) -> float:
+    """Combined consume rate while every worker was consuming: from the last one's first message to the
+    first one's last (a group's join and rebalance before, and the durable tail after, are fixed
+    costs the end-to-end rate carries)."""
+    start = max(w["marks"][0][0] for w in workers)
+    end = min(w["marks"][-1][0] for w in workers)
+    if end <= start:
+        return float("nan")
+    messages = sum(_count_at(w["marks"], end) - _count_at(w["marks"], start) for w in workers)
+    return messages * bytes_per_message / (end - start) / 1e6
 
 
 def _worker_cmd(kind: str, bootstrap: str, topic: str, messages: int, nbytes: int, data_dir: str,
@@ -194,9 +229,12 @@ def _two_replicas(bootstrap: str, topic: str, messages: int, nbytes: int, data_d
     group = f"bench-{uuid.uuid4().hex[:8]}"
     a, b = _run_workers([_worker_cmd("ingest", bootstrap, topic, messages, nbytes, data_dir, group)
                          for _ in range(2)])
-    seconds = max(a["last_s"], b["last_s"]) - min(a["first_s"], b["first_s"])
+    earliest = min((a, b), key=lambda w: w["first_s"])
+    seconds = max(a["last_s"], b["last_s"]) - earliest["first_s"]
+    counted = nbytes * (messages - earliest["first_batch"]) / messages
     return {"replicas": [a, b], "messages": a["messages"] + b["messages"], "seconds": seconds,
-            "mb_per_s": nbytes / seconds / 1e6, "peak_rss_mib": max(a["peak_rss_mib"], b["peak_rss_mib"])}
+            "mb_per_s": counted / seconds / 1e6, "steady_mb_per_s": steady_mb_per_s([a, b], nbytes / messages),
+            "peak_rss_mib": max(a["peak_rss_mib"], b["peak_rss_mib"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                 two = _two_replicas(bootstrap, topic, messages, nbytes, str(Path(tmp) / f"two-{r}"))
                 shutil.rmtree(Path(tmp) / f"two-{r}", ignore_errors=True)
                 assert one["messages"] == messages and two["messages"] >= messages, (one, two)
+                one["steady_mb_per_s"] = steady_mb_per_s([one], nbytes / messages)
                 rounds.append({"raw_consume": raw, "ingest": one, "two_replicas": two,
                                "ratio": one["mb_per_s"] / raw["mb_per_s"],
-                               "scale_out": two["mb_per_s"] / one["mb_per_s"]})
+                               "scale_out": two["mb_per_s"] / one["mb_per_s"],
+                               "scale_out_steady": two["steady_mb_per_s"] / one["steady_mb_per_s"]})
         finally:
             if stack is not None:
                 stack.stop()
@@ -261,20 +301,28 @@ def main(argv: list[str] | None = None) -> int:
         two = result["two_replicas"]
         rows.append((f"round {r + 1}: ingest, 2 replicas combined", f"{two['mb_per_s']:.1f}", f"{two['seconds']:.1f}",
                      "", f"{two['peak_rss_mib']:.0f}", ""))
-        rows.append((f"round {r + 1}: 1 replica / raw; 2 replicas / 1", f"{result['ratio']:.2f}; {result['scale_out']:.2f}",
+        rows.append((f"round {r + 1}: steady MB/s, 1 replica; 2 replicas",
+                     f"{result['ingest']['steady_mb_per_s']:.1f}; {two['steady_mb_per_s']:.1f}", "", "", "", ""))
+        rows.append((f"round {r + 1}: 1 replica / raw; 2 replicas / 1 (end to end; steady)",
+                     f"{result['ratio']:.2f}; {result['scale_out']:.2f}; {result['scale_out_steady']:.2f}",
                      "", "", "", ""))
     ratio = statistics.median(r["ratio"] for r in rounds)
     scale = [r["scale_out"] for r in rounds]
+    steady = [r["scale_out_steady"] for r in rounds]
     peak = max(max(r["ingest"]["peak_rss_mib"], r["two_replicas"]["peak_rss_mib"]) for r in rounds)
     rows.append(("median 1 replica / raw (floor 0.8)", f"{ratio:.2f}", "", "", "", ""))
-    rows.append(("2 replicas / 1: median [min, max] (floor 1.3)",
+    rows.append(("2 replicas / 1, end to end: median [min, max] (floor 1.3)",
                  f"{statistics.median(scale):.2f} [{min(scale):.2f}, {max(scale):.2f}]", "", "", "", ""))
+    rows.append(("2 replicas / 1, steady: median [min, max] (floor 1.3)",
+                 f"{statistics.median(steady):.2f} [{min(steady):.2f}, {max(steady):.2f}]", "", "", "", ""))
     rows.append(("ingest peak RSS (floor < 1024 MiB at 1 GB)", f"{peak:.0f}", "", "", "", ""))
     print_table(f"Ingest vs raw consume: {messages} messages, {nbytes / 1e6:.0f} MB backlog on {PARTITIONS} partitions "
                 f"(produced in {produce_s:.1f} s), {args.rounds} alternating rounds", rows)
     write_json(args.json, {"backlog_bytes": nbytes, "messages": messages, "rounds": rounds,
                            "median_ratio": ratio, "scale_out_median": statistics.median(scale),
-                           "scale_out_range": [min(scale), max(scale)], "ingest_peak_rss_mib": peak,
+                           "scale_out_range": [min(scale), max(scale)],
+                           "scale_out_steady_median": statistics.median(steady),
+                           "scale_out_steady_range": [min(steady), max(steady)], "ingest_peak_rss_mib": peak,
                            "floors": {"ratio": 0.8, "scale_out": 1.3, "peak_rss_mib_at_1gb": 1024}})
     return 0
 

@@ -77,6 +77,11 @@ class IngestConfig(Section):
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 2000
     poll_timeout_s: float = 0.5
+    # while the replica holds no partitions (joining, rebalancing) a poll waits up to this long; it
+    # must outlast the broker's JoinGroup hold (above; Kafka's group.initial.rebalance.delay.ms, 3 s
+    # by default): kafka-python 3.0.12 drops a join that completes between two polls and joins
+    # again, so a join that outlasts each poll starts a fresh rebalance of the whole group
+    join_poll_timeout_s: float = Field(6.0, gt=0)
     max_poll_records: int = 64
     max_record_bytes: int = 1_048_576  # larger values go to the dead-letter topic
     max_partition_fetch_bytes: int = 4 * 1024 * 1024

@@ -116,7 +116,9 @@ class Ingestor:
         self._last_poll_s = time.monotonic()
         if self._backoff.due(self._last_poll_s):
             self._resume()
-        batch = self._consumer.poll(timeout_ms=int(self.config.poll_timeout_s * 1000))
+        joining = not self._consumer.assignment()  # a join must complete inside one poll (config)
+        timeout_s = self.config.join_poll_timeout_s if joining else self.config.poll_timeout_s
+        batch = self._consumer.poll(timeout_ms=int(timeout_s * 1000))
         handled = 0
         for tp, messages in batch.items():
             for message in messages:
