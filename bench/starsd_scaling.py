@@ -11,7 +11,9 @@ static drafter, the one-host transport):
    prompt on a session's first round), waits for the drafts, then sleeps V (the verify it stands
    in for); every client starts at the same moment and runs ``--duration`` seconds;
 3. per N: rounds per second over all clients, each round's latency (send to drafts) percentiles,
-   and the service's utilisation (its drafting seconds over the window, from /health).
+   and the service's utilisation, three ways from /health: the share of the window it drafts, the
+   share its loop is busy (anything but waiting with nothing queued: a work-conserving loop's
+   figure), and its process CPU seconds over the window (preemption by the clients shows there).
 The model's N* uses S(d) measured at N = 1 (the service's drafting seconds per request). The
 measured saturation point is where the measured throughput's ceiling meets the N = 1 per-client
 rate (N_sat = X_max x round time at N = 1); batching across clients lowers S(d) as N grows, so
@@ -127,6 +129,8 @@ def run_n(n: int, url: str, states: Path, verify_s: float, prompt_len: int, dura
     rounds = sum(r["rounds"] for r in results)
     return {"clients": n, "rounds_per_s": rounds / duration, "rounds": rounds,
             "utilisation": (h1["busy_s"] - h0["busy_s"]) / (t1 - t0),
+            "loop_busy": 1.0 - (h1["idle_s"] - h0["idle_s"]) / (t1 - t0),
+            "service_cpu": (h1["cpu_s"] - h0["cpu_s"]) / (t1 - t0),
             "drafting_s_per_round": (h1["busy_s"] - h0["busy_s"]) / max(1, rounds),
             "latency_ms": {f"p{q}": float(np.percentile(lat, q) * 1e3) for q in (50, 90, 99)} if len(lat) else {}}
 
@@ -143,7 +147,8 @@ def plot(rows: list[dict], model_n: float, path: Path) -> None:
     per = rows[0]["rounds_per_s"]
     a.plot(ns, [min(n * per, model_n * per) for n in ns], ls="--", label=f"model (N* = {model_n:.1f})")
     a2 = a.twinx()
-    a2.plot(ns, [r["utilisation"] for r in rows], color="gray", marker=".", label="drafter utilisation")
+    a2.plot(ns, [r["utilisation"] for r in rows], color="gray", marker=".", label="share of time drafting")
+    a2.plot(ns, [r["loop_busy"] for r in rows], color="black", marker="x", ls=":", label="loop busy")
     a2.set_ylim(0, 1.05)
     a.set_xlabel("replay clients (targets)")
     a.set_ylabel("rounds / s (all clients)")
@@ -207,14 +212,17 @@ def main() -> int:
     at_sat = min(rows, key=lambda r: abs(r["clients"] - measured_n))
     summary = {"verify_ms": verify_s * 1e3, "service_ms_per_request_at_1": s_d * 1e3, "model_saturation": model_n,
                "measured_saturation": measured_n, "first_n_at_95pct_of_max": first_95, "max_rounds_per_s": x_max,
-               "utilisation_at_saturation": at_sat["utilisation"], "rows": rows}
-    table = [("clients", "rounds/s", "utilisation", "drafting ms/round", "latency p50/p90/p99 ms")]
-    table += [(r["clients"], f"{r['rounds_per_s']:.1f}", f"{r['utilisation']:.2f}", f"{r['drafting_s_per_round'] * 1e3:.2f}",
+               "utilisation_at_saturation": at_sat["utilisation"], "loop_busy_at_saturation": at_sat["loop_busy"],
+               "service_cpu_at_saturation": at_sat["service_cpu"], "rows": rows}
+    table = [("clients", "rounds/s", "drafting", "loop busy", "service CPU", "drafting ms/round", "latency p50/p90/p99 ms")]
+    table += [(r["clients"], f"{r['rounds_per_s']:.1f}", f"{r['utilisation']:.2f}", f"{r['loop_busy']:.2f}",
+               f"{r['service_cpu']:.2f}", f"{r['drafting_s_per_round'] * 1e3:.2f}",
                "/".join(f"{r['latency_ms'][q]:.1f}" for q in ("p50", "p90", "p99"))) for r in rows]
     print_table("StarSD scaling: replay clients against one drafter service", table)
     print(f"\nverify {verify_s * 1e3:.1f} ms, S(d) at N=1 {s_d * 1e3:.2f} ms: model N* = {model_n:.1f}; measured "
-          f"N_sat = {measured_n:.1f} (first N at 95% of the ceiling: {first_95}); utilisation there "
-          f"{at_sat['utilisation']:.2f}")
+          f"N_sat = {measured_n:.1f} (first N at 95% of the ceiling: {first_95}); there the service drafts "
+          f"{at_sat['utilisation']:.2f} of the time, its loop is busy (not waiting for work) "
+          f"{at_sat['loop_busy']:.2f}, and it uses {at_sat['service_cpu']:.2f} of a core")
     if args.plot:
         plot(rows, model_n, Path(args.plot))
         print(f"plot: {args.plot}")

@@ -123,6 +123,7 @@ class DraftServer:
         self._d2t = host.drafter.draft_to_target.numpy().astype(np.int64)
         self.cost: dict[tuple[int, int], float] = {}  # (rows, depth) -> seconds of a batch
         self.busy_s, self.started = 0.0, time.monotonic()
+        self.idle_s = 0.0  # waiting for a message with nothing queued: the loop's only non-work
         self._window = [time.monotonic(), 0.0]  # utilisation over the last few seconds
         self.utilisation = 0.0
         self._served = host.drafter_version
@@ -141,7 +142,11 @@ class DraftServer:
                 last_expire = time.monotonic()
 
     def turn(self) -> None:
-        for kind, identity, header, arrays in self.sockets.poll(0 if self._queue else IDLE_WAIT_S):
+        wait_s, t0 = (0.0 if self._queue else IDLE_WAIT_S), time.monotonic()
+        messages = self.sockets.poll(wait_s)
+        if wait_s:
+            self.idle_s += time.monotonic() - t0
+        for kind, identity, header, arrays in messages:
             self._on_message(kind, identity, header, arrays)
         self._apply_swap()
         if self._queue:
@@ -299,4 +304,5 @@ class DraftServer:
                             for s in list(self.engines.values())},
                 "sessions": len(self.sessions), "evicted": self.sessions.evicted,
                 "utilisation": round(self.utilisation, 3), "busy_s": round(self.busy_s, 3),
+                "idle_s": round(self.idle_s, 3), "cpu_s": round(time.process_time(), 3),
                 "cost_ms": {f"{r}x{d}": round(s * 1e3, 3) for (r, d), s in sorted(self.cost.items())}}

@@ -166,3 +166,28 @@ def test_a_malformed_request_is_refused_and_the_service_goes_on(tiny_target, ser
     finally:
         engine.close()
     assert out == generate(tiny_target, None, p, 16)[0] and drafted > 0
+
+
+def test_the_loop_accounts_its_waiting_and_drafting_time(tiny_target, agreeing_drafter, tmp_path):
+    """/health's idle_s (waiting with nothing queued) and busy_s (drafting) split the loop's wall
+    time: an idle service waits nearly all of it; a serving one drafts, and the two never add up to
+    more than the wall (bench/starsd_scaling.py reads both)."""
+    import time
+
+    svc = Service(tiny_target, agreeing_drafter[0], tmp_path)
+    engine = remote_engine(tiny_target, svc.url("ipc"))
+    try:
+        h0, t0 = svc.server.health(), time.monotonic()
+        time.sleep(0.5)
+        h1, t1 = svc.server.health(), time.monotonic()
+        ps = prompts(tiny_target.shape.vocab_size, 4, seed=9)
+        submit_all(engine, [GenerationRequest(f"u{i}", tuple(p), SamplingParams(max_new_tokens=16))
+                            for i, p in enumerate(ps)])
+        h2, t2 = svc.server.health(), time.monotonic()
+    finally:
+        engine.close()
+        svc.stop()
+    assert h1["idle_s"] - h0["idle_s"] > 0.8 * (t1 - t0)  # nothing to do: waiting
+    drafting, waiting = h2["busy_s"] - h1["busy_s"], h2["idle_s"] - h1["idle_s"]
+    assert drafting > 0 and drafting + waiting <= (t2 - t1) + 0.01
+    assert h2["cpu_s"] >= h1["cpu_s"]
