@@ -90,14 +90,14 @@ class DemoSettings:
     # at shift_min_tokens new tokens (the chat before the shift counts too) and trains briefly
     # (shift_train: train.* overrides) on what came since the shift, the chat replayed beside it.
     # In a minute of training the optimizer steps decide: 2 TTT steps on 512-token batches take ~3.4x
-    # the steps of 4 on 1024 in the same time. Launched on fewer tokens, the window is small and its
-    # passes overfit it: the old workload drops, and the full retrain inherits the drop
-    # (bench/retrain_variants.py on demos' shift windows; docs/benchmarks.md)
-    shift_min_tokens: int = 12_000
+    # the steps of 4 on 1024 in the same time; keeping 0.8 of the change gains more on the new
+    # workload than the default 0.6 (bench/retrain_variants.py on demos' shift windows;
+    # docs/benchmarks.md, "Retrain settings on a demo window")
+    shift_min_tokens: int = 10_000
     shift_recent_tokens: int = 2000  # the newest captured tokens whose mix is compared with those before
     shift_reference_tokens: int = 4000
     shift_train: dict = dataclasses.field(default_factory=lambda: {
-        "max_train_s": "60", "ttt_length": "2", "batch_tokens": "512"})
+        "max_train_s": "60", "ttt_length": "2", "batch_tokens": "512", "update_fraction": "0.8"})
     # the first swap -> the full-threshold retrain after it has swapped in (or was refused) and its
     # drafter has shown the evidence above; 0: the loop closes on the first swap
     final_timeout_s: float = 20 * 60
