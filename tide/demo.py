@@ -89,10 +89,9 @@ class DemoSettings:
     # the scheduler detects the shift from the captured workload mix; its first retrain launches
     # at shift_min_tokens new tokens (the chat before the shift counts too) and trains briefly
     # (shift_train: train.* overrides) on what came since the shift, the chat replayed beside it.
-    # In a minute of training the optimizer steps decide: 2 TTT steps on 512-token batches take ~3.4x
-    # the steps of 4 on 1024 in the same time; keeping 0.8 of the change gains more on the new
-    # workload than the default 0.6 (bench/retrain_variants.py on demos' shift windows;
-    # docs/benchmarks.md, "Retrain settings on a demo window")
+    # In a minute of training the optimizer steps decide, so it takes shorter TTT chains on smaller
+    # batches (more steps in the same time) and keeps more of its change than the default
+    # (bench/retrain_variants.py; docs/benchmarks.md, "Retrain settings on a demo window")
     shift_min_tokens: int = 10_000
     shift_recent_tokens: int = 2000  # the newest captured tokens whose mix is compared with those before
     shift_reference_tokens: int = 4000
