@@ -12,8 +12,9 @@ replays one real retrain window under several settings:
    to bfloat16 as registered;
 3. the demo's acceptance comparison: the same held-out prompts of each workload (``--before`` and
    ``--after``, the demo's seeds), greedy, speculation always on with the served draft length and
-   stop rule; tokens per target forward of each candidate over the parent's, with a 90% paired
-   bootstrap interval over prompts. Tokens per forward do not depend on timing, so variants may
+   stop rule; tokens per target forward of each candidate over the reference's (``--reference``,
+   default the parent: a demo's later retrain warm-starts from a retrained parent, and its floors
+   are over the static drafter), with a 90% paired bootstrap interval over prompts. Tokens per forward do not depend on timing, so variants may
    run in parallel processes (one ``--variant`` each).
 ``--fractions 1,0.8,...`` scores each trained candidate at several ``train.update_fraction``s (the
 parent plus that fraction of its change: one training run per variant, not one per fraction);
@@ -126,8 +127,8 @@ def parse_fractions(text: str) -> list[float]:
     return fractions
 
 
-def score(target, parent, prompts, base, drafter, args, cfg) -> tuple[dict, dict]:
-    """(tokens per forward by workload, (ratio over the parent, 90% interval) by workload)."""
+def score(target, prompts, base, drafter, args, cfg) -> tuple[dict, dict]:
+    """(tokens per forward by workload, (ratio over the reference's ``base``, 90% interval) by workload)."""
     res = {w: tokens_per_forward(target, drafter, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
     return res, {w: (res[w].tokens_per_forward / base[w].tokens_per_forward,
                      ratio_interval(res[w], base[w], "tokens_per_forward")) for w in prompts}
@@ -141,6 +142,7 @@ def main() -> int:
     ap.add_argument("--fractions", default="", help="update fractions to score each candidate at "
                                                      "(default: the variant's train.update_fraction; 1 for --candidate)")
     ap.add_argument("--parent", default=None, help="drafter folder (default: the packaged static drafter)")
+    ap.add_argument("--reference", default=None, help="drafter folder the ratios are over (default: the parent)")
     ap.add_argument("--until", type=float, default=None, help="window end, unix s (default: the first retrain's)")
     ap.add_argument("--before", default="chat")
     ap.add_argument("--after", default="code")
@@ -165,9 +167,10 @@ def main() -> int:
     parent = load_drafter(args.parent or static_drafter_path(cfg), spec)
     prompts = {w: [render_prompt(tok, p.chat_messages(), 256) for p in load_prompts(w, "heldout", args.prompts, SEEDS[k])]
                for k, w in (("before", args.before), ("after", args.after))}
-    base = {w: tokens_per_forward(target, parent, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
-    rows = [("variant", "fraction", "steps", "train s", *(f"{w} cand/parent (90%)" for w in prompts))]
-    out = {"parent": {w: r.tokens_per_forward for w, r in base.items()}, "variants": {}}
+    reference = load_drafter(Path(args.reference), spec) if args.reference else parent
+    base = {w: tokens_per_forward(target, reference, p, args.max_new_tokens, cfg) for w, p in prompts.items()}
+    rows = [("variant", "fraction", "steps", "train s", *(f"{w} cand/reference (90%)" for w in prompts))]
+    out = {"reference": {w: r.tokens_per_forward for w, r in base.items()}, "variants": {}}
     trained = []  # (name, drafter as trained, fractions, what the run was)
     if args.candidate:
         trained.append(("candidate", load_drafter(Path(args.candidate), spec), fractions or [1.0],
@@ -181,7 +184,7 @@ def main() -> int:
                                                          "train_s": round(train_s, 1), "train_requests": n_train}))
     for name, cand, fracs, info in trained:
         for f in fracs:
-            res, ratios = score(target, parent, prompts, base, at_fraction(cand, parent, f), args, cfg)
+            res, ratios = score(target, prompts, base, at_fraction(cand, parent, f), args, cfg)
             out["variants"][f"{name}@{f}"] = {**info, "update_fraction": f,
                                               "tokens_per_forward": {w: r.tokens_per_forward for w, r in res.items()},
                                               "ratio": {w: r for w, (r, _) in ratios.items()},
@@ -189,7 +192,7 @@ def main() -> int:
             rows.append((name, f, info["steps"], f"{info['train_s']}",
                          *(f"{r:.3f} ({lo:.3f}-{hi:.3f})" for r, (lo, hi) in ratios.values())))
             print(f"{name} @ {f}: " + ", ".join(f"{w} {r:.3f}" for w, (r, _) in ratios.items()), flush=True)
-    print_table(f"retrain candidates on {home} (parent: "
+    print_table(f"retrain candidates on {home} (reference: "
                 + ", ".join(f"{w} {r.tokens_per_forward:.3f}" for w, r in base.items()) + " tokens/forward)", rows)
     write_json(args.json, out)
     return 0

@@ -68,6 +68,11 @@ TAG_VOCAB = "tide.vocab_mapping"
 TAG_CODE = "tide.code_version"
 TAG_SIM_ACCEPT = "tide.sim_accept_length"  # this version, on its run's held-out slice
 TAG_PARENT_SIM_ACCEPT = "tide.parent_sim_accept_length"  # its parent, same slice
+# the version the held-out comparison (and the promotion policy) is against: the champion when the
+# retrain launched ("static" when none), which is the parent unless the retrain rebased past a patch
+TAG_BASELINE = "tide.baseline_version"
+TAG_BASELINE_SIM_ACCEPT = "tide.baseline_sim_accept_length"  # the baseline, same slice
+TAG_PATCH = "tide.patch"  # "true": a shift's quick retrain; later retrains warm-start past it
 TAG_ROLLED_BACK = "tide.rolled_back"  # set on the version a rollback moved away from (its reason)
 TAG_HOST, TAG_PID = "tide.host", "tide.pid"  # who holds a pending registration
 OP_TAG_PREFIX = "tide.op."  # registered-model tags: one per promote/rollback

@@ -16,7 +16,15 @@ import torch
 import yaml
 
 from tide.config import load_config
-from tide.contracts import CHALLENGER, CHAMPION
+from tide.contracts import (
+    CHALLENGER,
+    CHAMPION,
+    TAG_BASELINE,
+    TAG_BASELINE_SIM_ACCEPT,
+    TAG_PARENT,
+    TAG_PARENT_SIM_ACCEPT,
+    TAG_PATCH,
+)
 from tide.contracts import RETRAIN_NOTHING_TO_DO as NOTHING_TO_DO
 from tide.drafter.artifact import TargetSpec, load_drafter, save_drafter
 from tide.drafter.static import cached_static_path
@@ -80,9 +88,9 @@ def retrain_cmd(config: Path, result: Path) -> list[str]:
             "--result-json", str(result)]
 
 
-def run_job(config: Path, result: Path, timeout_s: float = 400) -> tuple[int, dict, str]:
+def run_job(config: Path, result: Path, timeout_s: float = 400, env: dict | None = None) -> tuple[int, dict, str]:
     proc = subprocess.run(retrain_cmd(config, result), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=timeout_s, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     payload = json.loads(result.read_text()) if result.exists() else {}
     return proc.returncode, payload, proc.stderr[-4000:]
 
@@ -156,6 +164,32 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
     assert len(OfflineManifestReader(str(tmp_path / "specforge")).read()) == manifest["samples"]
     mapping = torch.load(tmp_path / "specforge" / "vocab_mapping" / "vocab_mapping.pt")
     assert torch.equal(mapping["d2t"], parent.d2t)
+
+
+def test_a_retrain_after_a_patch_starts_from_the_patch_s_parent_and_is_compared_with_the_patch(tmp_path, tiny_setup):
+    home, config = make_home(tmp_path, tiny_setup, 72)
+    code, payload, err = run_job(config, tmp_path / "patch.json", env={"TIDE_TRAIN__PATCH": "true"})  # a shift's
+    assert code == 0 and payload["version"] == 2, err
+    cfg = load_config(config)
+    registry = Registry.from_config(cfg)
+    registry.promote(2, actor="test")
+    # the full retrain keeps a twentieth of its change: its weights sit next to its warm start's
+    code, payload, err = run_job(config, tmp_path / "full.json", env={"TIDE_TRAIN__UPDATE_FRACTION": "0.05"})
+    assert code == 0 and payload["version"] == 3, err
+    patch, full = registry.get_version(2), registry.get_version(3)
+    assert patch.tags[TAG_PATCH] == "true" and TAG_PATCH not in full.tags
+    assert (patch.tags[TAG_PARENT], patch.tags[TAG_BASELINE]) == ("1", "1")
+    assert (full.tags[TAG_PARENT], full.tags[TAG_BASELINE]) == ("1", "2")
+    metrics = full.metrics
+    assert float(full.tags[TAG_BASELINE_SIM_ACCEPT]) == pytest.approx(metrics["champion_sim_accept_length"], abs=1e-4)
+    assert float(full.tags[TAG_PARENT_SIM_ACCEPT]) == pytest.approx(metrics["parent_sim_accept_length"], abs=1e-4)
+    spec = TargetSpec(64, 512, AUX)
+    v1, v2, v3 = (load_drafter(registry.download(v), spec) for v in (1, 2, 3))
+
+    def distance(a, b) -> float:
+        return sum(float((x.detach().float() - y.detach().float()).norm()) for x, y in zip(a.parameters(), b.parameters()))
+
+    assert distance(v3, v1) < 0.5 * distance(v3, v2)  # started from version 1, not from the patch
 
 
 def test_confidence_head_is_fitted_registered_and_loaded(tmp_path, tiny_setup):

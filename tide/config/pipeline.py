@@ -148,6 +148,14 @@ class TrainConfig(Section):
     # > 0: the recent window is what was captured since this unix time instead (the scheduler sets it
     # for the first retrain after a workload shift: the new traffic, with older traffic as replay)
     window_since_s: float = 0.0
+    # set by the scheduler for a shift's retrain: a short run on a small window at a high update
+    # fraction, registered as a patch (tide.patch) that serves until a full retrain replaces it
+    patch: bool = False
+    # a retrain whose champion is a patch warm-starts from the patch's own parent (the newest
+    # non-patch ancestor) and is compared against the champion: a patch's overfit to its small
+    # window is not inherited (on a demo window it kept 0.97 of the old workload's acceptance where
+    # warm-starting from the patch kept 0.92; docs/benchmarks.md, "Retrain settings on a demo window")
+    rebase_patches: bool = True
     # older requests replayed per recent training request (0.25 kept 93% of chat acceptance
     # after a code retrain, 1.0 kept 97%)
     replay_ratio: float = 1.0

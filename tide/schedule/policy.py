@@ -75,13 +75,16 @@ def decide(state: SchedulerState, new_samples: int, now_s: float, cfg: Any) -> D
 
 
 def shift_env(cfg: Any, shift: Any) -> dict[str, str]:
-    """The environment of a shift's retrain: ``shift_train`` as ``TIDE_TRAIN__*`` overrides and, with
+    """The environment of a shift's retrain: ``shift_train`` as ``TIDE_TRAIN__*`` overrides, ``train.patch``
+    (unless ``shift_train`` sets it) and, with
     ``shift_window_from_shift``, a window starting where the new traffic began (``shift``: the
     ShiftRecord; None only checks the keys). Raises ValueError naming a key that is no train.* setting."""
     unknown = sorted(set(cfg.shift_train) - set(TrainConfig.model_fields))
     if unknown:
         raise ValueError(f"config.schedule.shift_train: {unknown} are not train.* settings")
     env = {f"TIDE_TRAIN__{key.upper()}": str(value) for key, value in cfg.shift_train.items()}
+    if shift is not None:  # registered as a patch: the next full retrain warm-starts past it
+        env.setdefault("TIDE_TRAIN__PATCH", "true")
     if shift is not None and cfg.shift_window_from_shift and shift.since_s is not None:
         env["TIDE_TRAIN__WINDOW_SINCE_S"] = f"{shift.since_s:.3f}"
     return env

@@ -4,21 +4,23 @@ Steps of ``run_retrain``:
 1. clean up after killed predecessors (pending registrations, RUNNING runs, work folders);
 2. plan the data on one pinned table version (``tide/train/window.py``); too few recent training or
    held-out requests -> "nothing to do" (nothing else happens, no run is logged);
-3. parent = the registry's ``champion``; on an empty registry the static drafter is registered
-   first as version 1 / champion; with versions but no champion, the static drafter file is the
-   parent (lineage "static");
+3. parent = the registry's ``champion``, the baseline it is compared against; a champion that is
+   a shift's patch is the baseline while its newest non-patch ancestor is the warm start
+   (``train.rebase_patches``; tide/train/lineage.py); on an empty registry the static drafter is
+   registered first as version 1 / champion; with versions but no champion, the static drafter
+   file is both (lineage "static");
 4. load the target's embeddings and lm_head (the drafter's frozen inputs; its layers are never
    run here), the parent drafter, and a copy of it as the candidate: its vocab mapping (t2d/d2t)
    stays fixed;
 5. load the planned samples, their hidden states into a local file read back per batch
    (``tide/train/spill.py``: memory is set by ``train.batch_tokens``, not the window); open an MLflow run and log params (window, counts, hyperparameters,
    parent, code version);
-6. evaluate the parent on the held-out slice, train the candidate (warm start, time-capped),
-   evaluate it on the same slice: simulated acceptance length at gamma = ``spec.draft_len`` and
+6. evaluate the parent (and a baseline that is not the parent) on the held-out slice, train the
+   candidate (warm start, time-capped), evaluate it on the same slice: simulated acceptance length at gamma = ``spec.draft_len`` and
    the EAGLE3 loss; log the loss curve and both evaluations;
 7. save the candidate, log the folder with its digest, register a version tagged with its
    lineage (the table version and URI it read among them) and both acceptance lengths, alias
-   ``challenger`` (tide/train/register.py; ``Registry.register``: a killed job leaves no registered
+   ``challenger`` (tide/train/lineage.py; ``Registry.register``: a killed job leaves no registered
    version), close the run.
 The result (status, version, run id, metrics, the table version read) goes to ``--result-json``.
 ``train.data_version`` (``TIDE_TRAIN__DATA_VERSION``) re-runs a retrain on a registered version's
@@ -54,9 +56,9 @@ from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
 from tide.registry import Registry, code_version
 from tide.train.confidence import fit_for_retrain
+from tide.train.lineage import WarmStart, register_candidate, resolve_warm_start
 from tide.train.memory import PhaseMemory
 from tide.train.ranks import announce, current_ranks, run_rank, start, train_kwargs
-from tide.train.register import register_candidate
 from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, plan_window
 
 log = logging.getLogger(__name__)
@@ -108,16 +110,6 @@ def _reap_work_dirs(root: Path) -> None:
 from tide.process import pid_alive as _alive  # noqa: E402
 
 
-def _resolve_parent(cfg, registry: Registry) -> tuple[str, Path, float | None]:
-    """(lineage label, drafter folder, its recorded sim accept length) of the warm start."""
-    champion = registry.get_alias(CHAMPION)
-    if champion is None and not registry.list_versions(include_incomplete=True, with_run=False):
-        champion = registry.ensure_bootstrap(static_drafter_path(cfg))
-    if champion is None:
-        return "static", static_drafter_path(cfg), None
-    return str(champion.version), registry.download(champion.version), champion.sim_accept_length
-
-
 def plan_for(cfg, until_s: float | None = None, version: int | None = None) -> WindowPlan:
     spec = WindowSpec.from_config(cfg.train, target_model=cfg.model.model_id or None, until_s=until_s,
                                   version=version)
@@ -136,10 +128,10 @@ class _Inputs:
     """What a retrain reads before it trains: the window, its parent drafter and the target."""
 
     plan: WindowPlan
-    parent: str  # lineage label of the warm start ("static" or a version)
-    parent_recorded: float | None  # the parent's registered sim accept length
+    start: WarmStart  # the parent (warm start) and the baseline (the champion it would replace)
     target: object  # TargetHeads: embeddings and lm_head, the drafter's frozen inputs
     champion: object  # Eagle3Drafter, the parent
+    baseline: object | None  # Eagle3Drafter, the baseline when it is not the parent
     candidate: object  # a copy of the parent, trained in place; its vocab mapping stays fixed
     vocab: str
     data: WindowData
@@ -149,6 +141,7 @@ class _Inputs:
 @dataclass
 class _Trained:
     before: object  # evaluation of the parent on the held-out slice
+    baseline: object  # evaluation of the baseline on the same slice (``before`` when it is the parent)
     after: object  # evaluation of the candidate on the same slice
     loss_curve: list
     metrics: dict
@@ -176,7 +169,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
         return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_version=plan.data_version)
 
     code = code_version()
-    run = registry.start_run(f"retrain-from-{inputs.parent}", {TAG_KIND: "retrain", TAG_PARENT: inputs.parent})
+    run = registry.start_run(f"retrain-from-{inputs.start.parent}", {TAG_KIND: "retrain", TAG_PARENT: inputs.start.parent})
     work = Path(tempfile.mkdtemp(prefix=f"work-{os.getpid()}-", dir=_mkdir(_work_root(cfg))))
     try:
         _log_params(run, cfg, inputs, summary, code)
@@ -221,25 +214,27 @@ def _load_inputs(cfg, registry: Registry, plan: WindowPlan, memory: PhaseMemory)
     from tide.models.target import load_target_heads  # embeddings + lm_head only; no engine is built
 
     with memory.phase("target"):
-        parent, parent_folder, parent_recorded = _resolve_parent(cfg, registry)
-        announce(plan, parent_folder)
+        start = resolve_warm_start(cfg, registry)
+        announce(plan, start.folder)
         target = load_target_heads(cfg)
         spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
-        champion = load_drafter(parent_folder, spec)
+        champion = load_drafter(start.folder, spec)
+        baseline = load_drafter(start.baseline_folder, spec) if start.rebased else None
     with memory.phase("window"):
         # hidden states to a local file, read back per batch: memory does not grow with the window
         data = load_window(data_dir_of(cfg), plan, cfg.train.train_on_prompt, cfg.train.max_seq_len,
                            spill_dir=_work_root(cfg))
-    log.info("retrain: parent %s, %d train samples (%d tokens), %d held-out (%d tokens)",
-             parent, len(data.train), data.train_tokens, len(data.heldout), data.heldout_tokens)
-    return _Inputs(plan, parent, parent_recorded, target, champion, copy.deepcopy(champion),
+    log.info("retrain: parent %s%s, %d train samples (%d tokens), %d held-out (%d tokens)", start.parent,
+             f" (rebased past patch {start.baseline})" if start.rebased else "",
+             len(data.train), data.train_tokens, len(data.heldout), data.heldout_tokens)
+    return _Inputs(plan, start, target, champion, baseline, copy.deepcopy(champion),
                    mapping_digest(champion.d2t), data, time.monotonic())
 
 
 def _log_params(run, cfg, inputs: _Inputs, summary: dict, code: str) -> None:
     data = inputs.data
     run.log_params({
-        **summary, "parent_version": inputs.parent, "code_version": code, "target_model": cfg.model.model_id,
+        **summary, "parent_version": inputs.start.parent, "baseline_version": inputs.start.baseline, "code_version": code, "target_model": cfg.model.model_id,
         "data_dir": data_dir_of(cfg).describe(), "vocab_mapping": inputs.vocab, "gamma": cfg.spec.draft_len,
         "train_samples": len(data.train), "train_tokens": data.train_tokens,
         "heldout_samples": len(data.heldout), "missing_samples": data.missing,
@@ -261,6 +256,8 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     t_eval = time.monotonic()
     with memory.phase("eval_parent"):
         before = evaluate(inputs.champion, embed, head, data.heldout, **eval_kw)
+        baseline = before if inputs.baseline is None else evaluate(inputs.baseline, embed, head, data.heldout,
+                                                                   **eval_kw)
     eval_s = time.monotonic() - t_eval
     log.info("retrain: training (parent sim accept length %.3f; peak RSS %.2f GiB)",
              before.accept_length, memory.process_peak_gib)
@@ -284,8 +281,9 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
         inputs.candidate.confidence, confidence = fit_for_retrain(cfg, inputs.candidate, inputs.target, data)
     if mapping_digest(inputs.candidate.d2t) != inputs.vocab:
         raise RuntimeError("the vocab mapping changed during training")
-    metrics = {**_eval_metrics("candidate", after), **_eval_metrics("champion", before),
-               "accept_length_gain": after.accept_length - before.accept_length,
+    metrics = {**_eval_metrics("candidate", after), **_eval_metrics("champion", baseline),
+               **(_eval_metrics("parent", before) if inputs.baseline is not None else {}),
+               "accept_length_gain": after.accept_length - baseline.accept_length,
                "heldout_positions": after.positions, "train_steps": trained.steps,
                "train_wall_s": trained.wall_s, "train_tokens_seen": trained.tokens_seen,
                "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),
@@ -294,9 +292,9 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
                "eval_s": eval_s, **confidence, **memory.metrics()}
     run.log_series("train_loss", trained.loss_curve)
     run.log_series("train_step0_acc", trained.step0_acc_curve)
-    log.info("retrain: sim accept length %.3f -> %.3f on %d held-out positions",
-             before.accept_length, after.accept_length, after.positions)
-    return _Trained(before, after, trained.loss_curve, metrics)
+    log.info("retrain: sim accept length %.3f (champion) -> %.3f on %d held-out positions",
+             baseline.accept_length, after.accept_length, after.positions)
+    return _Trained(before, baseline, after, trained.loss_curve, metrics)
 
 
 def _auto_promote(registry: Registry, cfg) -> dict:

@@ -2,7 +2,14 @@
 acceptance beats the champion's (measured on the same slice) by the configured margin."""
 import pytest
 
-from tide.contracts import TAG_PARENT, TAG_PARENT_SIM_ACCEPT, TAG_REGISTRATION, TAG_SIM_ACCEPT
+from tide.contracts import (
+    TAG_BASELINE,
+    TAG_BASELINE_SIM_ACCEPT,
+    TAG_PARENT,
+    TAG_PARENT_SIM_ACCEPT,
+    TAG_REGISTRATION,
+    TAG_SIM_ACCEPT,
+)
 from tide.ops.promotion import decide
 from tide.registry import VersionInfo
 
@@ -64,3 +71,16 @@ def test_refusals(case):
         ch = challenger(2.0, 1.0, **{TAG_REGISTRATION: "pending"})
     d = decide(ch, CHAMPION, 0.05)
     assert not d.promote and d.reason
+
+
+def test_a_rebased_challenger_is_compared_with_its_baseline_not_its_parent():
+    # retrained from version 1 past the patch version 2 that serves: 2.6 beats its parent by 30%,
+    # the champion it would replace by 4%
+    rebased = {TAG_BASELINE: "2", TAG_BASELINE_SIM_ACCEPT: 2.5}
+    d = decide(challenger(2.6, 2.0, parent="1", v=3, **rebased), version(2, ("champion",)), 0.05)
+    assert not d.promote and (d.challenger_sim, d.baseline_sim) == (2.6, 2.5)
+    ok = decide(challenger(2.6, 2.0, parent="1", v=3, **{**rebased, TAG_BASELINE_SIM_ACCEPT: 2.4}),
+                version(2, ("champion",)), 0.05)
+    assert ok.promote and ok.baseline_sim == 2.4
+    stale = decide(challenger(2.6, 2.0, parent="1", v=3, **rebased), version(4, ("champion",)), 0.05)
+    assert not stale.promote and "not against the serving drafter" in stale.reason

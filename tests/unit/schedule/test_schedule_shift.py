@@ -179,6 +179,7 @@ def test_a_detected_shift_launches_sooner_shorter_and_is_recorded(kit, until):
     env = _environ(job["pid"])  # the shift's retrain: a shorter run, on what came since the shift
     assert env["TIDE_TRAIN__MAX_TRAIN_S"] == "45" and env["TIDE_TRAIN__UPDATE_FRACTION"] == "1.0"
     assert float(env["TIDE_TRAIN__WINDOW_SINCE_S"]) == first_code
+    assert env["TIDE_TRAIN__PATCH"] == "true"  # registered as a patch: the next full retrain starts past it
     ok, health = sched.health()
     assert health["shift"]["retrain_state"] == "running" and health["shift"]["signal"] == MIX
     (gate / "read").touch()
