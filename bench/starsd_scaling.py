@@ -184,7 +184,7 @@ def run_n(n: int, url: str, states: Path, verify_s: float, prompt_len: int, dura
             "latency_ms": {f"p{q}": float(np.percentile(lat, q) * 1e3) for q in (50, 90, 99)} if len(lat) else {}}
 
 
-def plot(rows: list[dict], model_n: float, batched_n: float, path: Path) -> None:
+def plot(rows: list[dict], model_n: float, batched_n: float | None, verify_s: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,9 +195,9 @@ def plot(rows: list[dict], model_n: float, batched_n: float, path: Path) -> None
     a.plot(ns, [r["rounds_per_s"] for r in rows], marker="o", label="measured rounds/s")
     per = rows[0]["rounds_per_s"]
     a.plot(ns, [min(n * per, model_n * per) for n in ns], ls="--", label=f"model, S(d) at N=1 (N* = {model_n:.1f})")
-    if batched_n:
-        a.plot(ns, [min(n * per, batched_n * per) for n in ns], ls="-.",
-               label=f"model, batched S(d) (N* = {batched_n:.1f})")
+    if batched_n:  # each N at the service's own cost there: min(N / (V + S(N)), 1 / S(N))
+        a.plot(ns, [min(r["clients"] / (verify_s + r["drafting_s_per_round"]), 1 / r["drafting_s_per_round"])
+                    for r in rows], ls="-.", label=f"model, batched S(d) (N* = {batched_n:.1f})")
     a2 = a.twinx()
     a2.plot(ns, [r["utilisation"] for r in rows], color="gray", marker=".", label="share of time drafting")
     a2.plot(ns, [r["loop_busy"] for r in rows], color="black", marker="x", ls=":", label="loop busy")
@@ -303,7 +303,7 @@ def report(rows: list[dict], verify_s: float, args) -> None:
           f"keeps raising the ceiling); at N = {at} the service drafts {m['utilisation_at_model']:.2f} of the time, "
           f"its loop is busy {m['loop_busy_at_model']:.2f}, and it uses {m['service_cpu_at_model']:.2f} of a core")
     if args.plot:
-        plot(rows, m["model_saturation"], bn, Path(args.plot))
+        plot(rows, m["model_saturation"], bn, verify_s, Path(args.plot))
         print(f"plot: {args.plot}")
     write_json(args.json, summary)
 
