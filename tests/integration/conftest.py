@@ -1,4 +1,5 @@
-"""Fixtures that start real brokers (tansu; durable = tansu on SeaweedFS S3) on free loopback ports.
+"""Fixtures that start real brokers (tansu; durable = tansu on SeaweedFS S3) on free loopback ports,
+and the drafter-operations stack's (ops_stack.py: ``tiny``, ``store``, ``make_stack``).
 
 The broker code is tide/broker.py (stdlib only), so `tide up`, the demo and the tests start brokers
 the same way. Every process started here is stopped at teardown.
@@ -195,3 +196,25 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2, what: str = "
 @pytest.fixture
 def wait():
     return wait_for
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The ops tests' tiny target and trained drafter (ops_stack.build_tiny); a module may define its own."""
+    from ops_stack import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("ops-tiny"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from ops_stack import store_at
+
+    return store_at(tmp_path_factory.mktemp("ops-mlflow"))
+
+
+@pytest.fixture
+def make_stack(tiny, store, tmp_path):
+    from ops_stack import stacks_of
+
+    yield from stacks_of(tiny, store, tmp_path)
