@@ -158,6 +158,9 @@ INGEST_WRITE_BACKOFF_SECONDS = Gauge("tide_ingest_write_backoff_seconds",
                                      "Current wait before ingest retries a failed write (0 = writing)")
 INGEST_WRITE_FAILURES = Counter("tide_ingest_write_failures_total",
                                 "Failed seals (file, index or dead letters), by reason", ["reason"])
+INGEST_OFFSET_GAPS = Counter(
+    "tide_ingest_offset_gaps_total", "Fetches that skipped offsets of a capture partition (it has no "
+    "transactions or compaction, so every offset holds a record), by outcome", ["outcome"])  # refetched | passed
 INGEST_DROPPED_ROWS = Counter(
     "tide_ingest_dropped_rows_total", "Consumed rows not written because the dataset already "
     "deleted them, by reason", ["reason"])  # request_deleted | expired

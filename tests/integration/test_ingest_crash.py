@@ -20,8 +20,8 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from tide.config import IngestConfig, KafkaConfig
-from tide.dataset.ingest import FAULT_DIR_ENV
 from tide.dataset.location import Location
+from tide.dataset.partitions import FAULT_DIR_ENV
 from tide.dataset.table import DatasetTable
 from tide.dataset.topics import ensure_topics
 from tide.records import Record, encode, split
@@ -88,7 +88,7 @@ def _committed_all(bootstrap: str, group: str, topic: str) -> bool:
 
 
 class Replica:
-    """One ingest service process with its own fault folder (tide/dataset/ingest.py FAULT_DIR_ENV)."""
+    """One ingest service process with its own fault folder (tide/dataset/partitions.py FAULT_DIR_ENV)."""
 
     def __init__(self, name: str, env: dict, tmp_path: Path) -> None:
         self.fault_dir = tmp_path / f"fault-{name}"

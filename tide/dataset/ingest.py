@@ -2,13 +2,12 @@
 
 Loop steps (consumer thread):
 1. poll a batch (consumer group, auto-commit off);
-2. per message: at a partition's first message after (re)assignment, read the partition's
-   application transaction in the table (app id = group/topic/partition, version = the last
-   offset the table holds) and skip everything up to it (seeking past it); decode; a malformed,
-   unknown-version, oversized or invalid value (and any other per-record failure:
+2. per message: at a partition's first message after (re)assignment, read its application
+   transaction in the table (app id = group/topic/partition, version = the last offset it holds)
+   and seek past it; a fetch that skipped offsets is fetched again once (``PartitionState.gap``);
+   decode; a malformed, unknown-version, oversized or invalid value (any per-record failure:
    ``unprocessable``) goes to the dead-letter topic with the reason in its headers; a good chunk
-   is handed to the writer thread for its partition's open data file in its ``date=/hour=``
-   folder;
+   goes to the writer thread for its partition's open data file in its ``date=/hour=`` folder;
 3. a partition's batch is sealed when its files reach ``file_max_rows`` / ``file_max_bytes``
    (checked per message) or ``roll_interval_s`` passed (checked per poll): the writer thread
    finishes the files, waits for the batch's dead letters, and commits the files to the table
@@ -31,7 +30,6 @@ commit; a crash before it re-sends them). Retention and compaction are the sched
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -48,7 +46,7 @@ from tide.contracts import DEAD_INVALID, DEAD_UNPROCESSABLE
 from tide.dataset.backoff import WriteBackoff
 from tide.dataset.dead_letter import DeadLetterFailed, DeadLetters
 from tide.dataset.location import Location
-from tide.dataset.partitions import PartitionState, Seal, app_id
+from tide.dataset.partitions import PASS, PartitionState, Seal, app_id, fault_pause
 from tide.dataset.schema import Row, partition_path, partition_values
 from tide.dataset.table import DatasetTable
 from tide.dataset.tombstones import Tombstones
@@ -58,9 +56,6 @@ from tide.dataset.writer_thread import Batch, WriterThread
 from tide.records import RecordError, decode
 
 log = logging.getLogger(__name__)
-# tests only: while <dir>/pause-after-table-commit exists, a seal pauses between its table commit
-# and its Kafka commit (after creating <dir>/paused-<pid>), so a test can kill it exactly there
-FAULT_DIR_ENV = "TIDE_INGEST_FAULT_DIR"
 
 
 class Ingestor:
@@ -124,7 +119,7 @@ class Ingestor:
             for message in messages:
                 try:
                     if not self._handle(tp, message):
-                        break  # the rest of this partition's batch is already in the table
+                        break  # the rest of this partition's batch is in the table, or fetched again
                 except DeadLetterFailed as exc:  # the rest of this batch is fetched again
                     self._write_failed(tp, self._first_uncommitted(tp, message.offset), exc)
                     break
@@ -135,6 +130,7 @@ class Ingestor:
             self._last_gauges_s = time.monotonic()
             self._update_dataset_gauges()
         return handled
+
     def positions(self) -> dict[Any, int]:
         """The next offset to consume of each partition assigned to this replica (benchmarks)."""
         return {tp: self._consumer.position(tp) for tp in self._consumer.assignment()}
@@ -180,16 +176,14 @@ class Ingestor:
             self._writer.wait_idle()  # seals still in flight must be in the table before we look
             recorded = self.table.app_version(app_id(self.config.group_id, tp.topic, tp.partition))
             if recorded is not None and self._topic_recreated(tp, recorded):
-                log.warning("ingest: %s ends before offset %d the table records for it and the group "
-                            "has no committed offset: the topic was recreated; reading it from the start",
-                            tp, recorded)
+                log.warning("ingest: %s ends before offset %d the table records for it and the group has no "
+                            "committed offset: the topic was recreated; reading it from the start", tp, recorded)
                 recorded = None
             state = self._parts[tp] = PartitionState(skip_through=-1 if recorded is None else recorded)
         return state
 
     def _topic_recreated(self, tp: Any, recorded: int) -> bool:
-        """A broker that lost the topic (an in-memory broker restarted) starts its offsets at 0
-        again, and the group's committed offsets are gone with it."""
+        """A broker that lost the topic (an in-memory one restarted) starts at offset 0 again, without the group's offsets."""
         try:
             return self._consumer.committed(tp) is None and self._consumer.end_offsets([tp])[tp] <= recorded
         except Exception:  # noqa: BLE001 - cannot tell: trust the table
@@ -204,10 +198,13 @@ class Ingestor:
             log.info("ingest: %s offsets up to %d are already in the table; resuming after them",
                      tp, state.skip_through)
             self._consumer.seek(tp, state.skip_through + 1)
+            state.expected = state.skip_through + 1
             try:  # the group catches up with the table (its lag would stay until the next batch)
                 self._consumer.commit({tp: OffsetAndMetadata(state.skip_through + 1, "", -1)}, timeout_ms=10_000)
             except Exception as exc:  # noqa: BLE001 - the next batch's commit covers it
                 log.warning("ingest: commit of %s at %d failed: %s", tp, state.skip_through + 1, exc)
+            return False
+        if self._gap(tp, state, message.offset):
             return False
         state.note(message.offset, time.monotonic())
         try:
@@ -233,6 +230,20 @@ class Ingestor:
         metrics.INGEST_MESSAGES.labels("written").inc()
         if state.rows >= self.config.file_max_rows or state.nbytes >= self.config.file_max_bytes:
             self._flush(tp)
+        return True
+
+    def _gap(self, tp: Any, state: PartitionState, offset: int) -> bool:
+        """True when offsets before ``offset`` never came and are fetched again (PartitionState.gap)."""
+        outcome = state.gap(offset)
+        if not outcome:
+            return False
+        metrics.INGEST_OFFSET_GAPS.labels(outcome).inc()
+        if outcome == PASS:
+            log.error("ingest: %s offsets %d..%d missing twice from the broker's answers; going on",
+                      tp, state.expected, offset - 1)
+            return False
+        log.warning("ingest: %s offsets %d..%d missing from a fetch; fetching again", tp, state.expected, offset - 1)
+        self._consumer.seek(tp, state.expected)
         return True
 
     def _route(self, message: Any) -> tuple[Any, dict[str, str]]:
@@ -296,7 +307,7 @@ class Ingestor:
                 metrics.INGEST_FILE_BYTES.inc(out.nbytes)
                 metrics.INGEST_ROWS.inc(out.rows)
                 metrics.INGEST_TOKENS.inc(sum(c["tokens"] for c in out.counts.values()))
-            _fault_pause()
+            fault_pause()
             try:
                 self._consumer.commit({seal.tp: OffsetAndMetadata(seal.commit_to, "", -1)},
                                       timeout_ms=10_000)
@@ -375,18 +386,6 @@ class Ingestor:
             return
         metrics.INGEST_DATASET_FILES.set(len(files))
         metrics.INGEST_DATASET_BYTES.set(sum(f.size for f in files))
-
-
-def _fault_pause() -> None:
-    """Tests only (``FAULT_DIR_ENV``): stop between the table commit and the Kafka commit."""
-    folder = os.environ.get(FAULT_DIR_ENV)
-    if not folder or not os.path.exists(os.path.join(folder, "pause-after-table-commit")):
-        return
-    with open(os.path.join(folder, f"paused-{os.getpid()}"), "w") as marker:
-        marker.write(str(time.time()))
-    deadline = time.monotonic() + 300
-    while os.path.exists(os.path.join(folder, "pause-after-table-commit")) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 class _Rebalance(ConsumerRebalanceListener):

@@ -4,16 +4,25 @@
 offset range, its dead letters, and ``skip_through``: the last offset the table already records
 for this partition (its application transaction) when the partition was (re)assigned; messages
 up to it are in the table and are skipped, so a replay after a crash writes nothing twice.
+It also watches the stream's offsets: the capture topic has no transactions or compaction, so
+every offset holds a record and a fetch that skips some is fetched again once (``gap``).
 ``Seal``: a batch handed to the writer thread, committed to Kafka once the table holds it.
 ``app_id``: the Delta application-transaction id of a partition for a consumer group.
 """
 from __future__ import annotations
 
+import os
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from tide.dataset.writer import DataFileWriter
+
+# tests only: while <dir>/pause-after-table-commit exists, a seal pauses between its table commit
+# and its Kafka commit (after creating <dir>/paused-<pid>), so a test can kill it exactly there
+FAULT_DIR_ENV = "TIDE_INGEST_FAULT_DIR"
+REFETCH, PASS = "refetched", "passed"  # PartitionState.gap outcomes (the gap metric's labels)
 
 
 def app_id(group_id: str, topic: str, partition: int) -> str:
@@ -32,12 +41,26 @@ class PartitionState:
     nbytes: int = 0
     opened_at_s: float = 0.0
     dead_letters: list = field(default_factory=list)  # send futures of this batch's dead letters
+    expected: int = -1  # the next offset the partition's stream should yield (-1: not known yet)
+    refetched_from: int = -1  # a gap at this offset was fetched again once
 
     def note(self, offset: int, now_s: float) -> None:
         if self.first_offset < 0:
             self.first_offset = offset
             self.opened_at_s = now_s
         self.last_offset = offset
+        self.expected = offset + 1
+
+    def gap(self, offset: int) -> str:
+        """What to do with ``offset`` arriving: "" (in order), REFETCH (offsets before it never
+        came: fetch from ``expected`` again), or PASS (they did not come the second time either:
+        go on, the topic has nothing there)."""
+        if self.expected < 0 or offset <= self.expected:
+            return ""
+        if self.refetched_from != self.expected:
+            self.refetched_from = self.expected
+            return REFETCH
+        return PASS
 
 
 @dataclass
@@ -49,3 +72,15 @@ class Seal:
     commit_to: int
     future: Future
     started_s: float
+
+
+def fault_pause() -> None:
+    """Tests only (``FAULT_DIR_ENV``): stop between the table commit and the Kafka commit."""
+    folder = os.environ.get(FAULT_DIR_ENV)
+    if not folder or not os.path.exists(os.path.join(folder, "pause-after-table-commit")):
+        return
+    with open(os.path.join(folder, f"paused-{os.getpid()}"), "w") as marker:
+        marker.write(str(time.time()))
+    deadline = time.monotonic() + 300
+    while os.path.exists(os.path.join(folder, "pause-after-table-commit")) and time.monotonic() < deadline:
+        time.sleep(0.05)
