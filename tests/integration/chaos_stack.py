@@ -251,6 +251,16 @@ class ChaosStack:
     def operations(self) -> list[dict]:
         return self.owner.operations()
 
+    def job_training(self) -> str | None:
+        """The running retrain's id once it trains and has not ended: its training (the chaos config's
+        train.max_train_s) and evaluation still lie ahead. A job the scheduler still reports running
+        may have ended already (it is reaped at the next tick)."""
+        job = self.scheduler_health().get("running")
+        if not job or self.job_exited(job):
+            return None
+        log = self.scheduler_dir / "jobs" / f"{job}.log"
+        return job if log.exists() and "retrain: training" in log.read_text(errors="replace") else None
+
     def job_exited(self, job_id: str) -> bool:
         """The retrain wrote its result: it has ended (it writes the file last)."""
         return (self.scheduler_dir / "jobs" / f"{job_id}.result.json").exists()

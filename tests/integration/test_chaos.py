@@ -57,7 +57,7 @@ def test_faults_of_every_component_lose_no_request_and_no_acknowledged_record(ch
             if kind != "scheduler":
                 fault = chaos.fault(kind, sig, OUTAGE_S)
             else:  # down while a retrain runs and ends: its own auto-promotion finds no owner
-                job = wait_for(lambda: chaos.scheduler_health().get("running"), 300, "a retrain to run")
+                job = wait_for(chaos.job_training, 300, "a retrain to train", interval_s=0.2)
                 fault = chaos.fault(kind, sig, OUTAGE_S, until=lambda: chaos.job_exited(job))
                 adopted = wait_for(lambda: chaos.finished_job(job), 120, f"the restarted scheduler to record {job}")
                 assert adopted.status == "succeeded" and adopted.version, adopted
