@@ -89,12 +89,14 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     loop = summary["loop"]  # traffic ran until the swapped-in drafter had shown enough, not a count
     assert loop["closed"] and loop["reason"] is None and loop["served_after_swap"] >= 8, loop
     assert summary["retrains_finished"] >= 1  # the scheduler launched a retrain that ran to the end
-    # it saw the shift in the captured workload mix and launched the shift's retrain, which registered a version:
-    # the one swapped in, or (a challenger the policy refused: it lost to static on held-out data, as a minute's
-    # run on a loaded machine can) one before it, a later retrain's swapped in instead
+    # it saw the shift in the captured workload mix and launched the shift's retrain, which ran to the end and
+    # registered the version swapped in, or one before it (a challenger the policy refused: it lost to static on
+    # held-out data, as a minute's run on a loaded machine can), or nothing (none of the ~40 requests it saw hashed
+    # into the held-out tenth: ~7% of runs); then a later retrain's version swapped in
     shift = summary["shift"]
     assert shift["signal"] == "workload_mix" and shift["workloads"] == ["code"], shift
-    assert shift["retrain_state"] == "succeeded" and int(shift["retrain_version"]) <= int(summary["first_version"]), shift
+    assert shift["retrain_state"] == "succeeded", shift
+    assert shift["retrain_version"] is None or int(shift["retrain_version"]) <= int(summary["first_version"]), shift
     (shift_job,) = [r for r in summary["retrains"] if r["shift"]]
     assert shift_job["launched_after_shift_s"] > 0 and shift_job["cpu_s"] > 0, summary["retrains"]
     versions = [v for v in summary["registry_versions"] if "version" in v]
