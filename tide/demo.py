@@ -110,7 +110,7 @@ class DemoSettings:
         return cls(before_requests=8, after_requests=12, after_min_forwards=600, after_min_drafted_forwards=100,
                    concurrency=6,
                    max_tokens=48, retrain_min_tokens=7_500, retrain_max_train_tokens=8_000, retrain_max_s=120.0,
-                   compare_prompts=4, compare_max_tokens=32, swap_timeout_s=12 * 60, after_timeout_s=3 * 60,
+                   compare_prompts=4, compare_max_tokens=32, swap_timeout_s=12 * 60, after_timeout_s=5 * 60,
                    # a handful of held-out requests: a 2% margin on them is within their noise, so the
                    # quick run promotes any challenger that is not worse
                    promote_margin=0.0,
