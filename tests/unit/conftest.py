@@ -39,3 +39,24 @@ def agreeing_drafter(tiny_target):
     train(drafter, tiny_target.embed_weight, tiny_target.lm_head_weight, samples, epochs=120, lr=3e-3,
           batch_tokens=512, max_len=128, ttt_length=4, step_weight=0.8, progress=False)
     return drafter.eval(), prompts
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """(root, tracking URI): a real MLflow SQLite store, one per test module."""
+    root = tmp_path_factory.mktemp("mlflow")
+    return root, f"sqlite:///{root / 'mlflow.db'}"
+
+
+@pytest.fixture
+def registry(store, tmp_path):
+    """A Registry on ``store`` with a model name of its own: tests never see each other's versions."""
+    import uuid
+
+    from tide.config import RegistryConfig
+    from tide.registry import Registry
+
+    root, uri = store
+    cfg = RegistryConfig(tracking_uri=uri, registered_model_name=f"drafter-{uuid.uuid4().hex[:8]}",
+                         artifact_location=(root / "artifacts").as_uri(), cache_dir=str(tmp_path / "cache"))
+    return Registry(cfg, tmp_path / "home")

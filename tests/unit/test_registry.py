@@ -25,20 +25,6 @@ from tide.registry import ChecksumError, Registry, RegistryError, folder_digest
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
-    return root, f"sqlite:///{root / 'mlflow.db'}"
-
-
-@pytest.fixture
-def registry(store, tmp_path):
-    root, uri = store
-    cfg = RegistryConfig(tracking_uri=uri, registered_model_name=f"drafter-{uuid.uuid4().hex[:8]}",
-                         artifact_location=(root / "artifacts").as_uri(), cache_dir=str(tmp_path / "cache"))
-    return Registry(cfg, tmp_path / "home")
-
-
-@pytest.fixture(scope="module")
 def drafter_folders(tiny_drafter, tmp_path_factory):
     """Two drafters with the same vocab mapping and different weights."""
     import torch

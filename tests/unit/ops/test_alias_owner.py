@@ -24,12 +24,6 @@ TOKEN = "owner-secret"
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow-owner")
-    return root, f"sqlite:///{root / 'mlflow.db'}"
-
-
-@pytest.fixture(scope="module")
 def folder(tiny_drafter, tmp_path_factory):
     return save_drafter(tiny_drafter, tmp_path_factory.mktemp("drafter") / "d", metadata={"version": "static"})
 

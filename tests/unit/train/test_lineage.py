@@ -2,11 +2,9 @@
 MLflow SQLite store."""
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from tide.config import RegistryConfig, load_config
+from tide.config import load_config
 from tide.contracts import (
     CHAMPION,
     TAG_KIND,
@@ -16,22 +14,7 @@ from tide.contracts import (
 )
 from tide.drafter.artifact import save_drafter
 from tide.drafter.static import static_drafter_path
-from tide.registry import Registry
 from tide.train.lineage import resolve_warm_start
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
-    return root, f"sqlite:///{root / 'mlflow.db'}"
-
-
-@pytest.fixture
-def registry(store, tmp_path):
-    root, uri = store
-    cfg = RegistryConfig(tracking_uri=uri, registered_model_name=f"drafter-{uuid.uuid4().hex[:8]}",
-                         artifact_location=(root / "artifacts").as_uri(), cache_dir=str(tmp_path / "cache"))
-    return Registry(cfg, tmp_path / "home")
 
 
 @pytest.fixture(scope="module")
