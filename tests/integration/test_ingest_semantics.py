@@ -330,3 +330,63 @@ def test_a_replay_or_a_new_group_does_not_resurrect_deleted_rows(memory_broker, 
     apply_retention(table, ttl_s=3600, max_bytes=1 << 40, now_s=1.7e9 + 3600 + 5.5)
     assert sorted(set(_stored(data_dir, "request_id"))) == sorted(f"r{i}" for i in range(24)
                                                                   if f"r{i}" not in expired | {"r13"})
+
+
+def _gaps(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("tide_ingest_offset_gaps_total", {"outcome": outcome}) or 0.0
+
+
+def _poll_until(ingestor, predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"ingest never reached: {what}"
+        ingestor.poll_once()
+
+
+def test_a_fetch_that_skips_offsets_is_fetched_again_and_a_lasting_gap_is_passed(memory_broker, topic_name,
+                                                                                 tmp_path):
+    """A fetch answer that starts past the offset ingest asked for (kafka-python drops such records
+    without a word): the skipped offsets are fetched again once and land exactly once; a gap that
+    is still there on the second fetch is counted and passed, never a loop."""
+    from kafka import TopicPartition
+
+    from tide.dataset.ingest import Ingestor
+
+    bs = memory_broker.bootstrap_servers
+    config, kafka = _config(bs, topic_name, topic_name + ".gap")
+    config = config.model_copy(update={"max_poll_records": 4})
+    ensure_topics(config, kafka)
+    producer = KafkaProducer(bootstrap_servers=bs, acks="all")
+
+    def produce(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            producer.send(topic_name, key=b"k", partition=0, value=encode(_record(f"g{i}", 10, i)))
+        producer.flush()
+
+    produce(0, 30)
+    data_dir, tp = tmp_path / "data", TopicPartition(topic_name, 0)
+    ingestor = Ingestor(config, kafka, data_dir)
+    ingestor.open()
+    refetched, passed = _gaps("refetched"), _gaps("passed")
+    try:
+        _poll_until(ingestor, lambda: ingestor.positions().get(tp, 0) > 0, 30, "a first batch")
+        ingestor._consumer.seek(tp, 20)  # the fetcher skips 4..19 (or wherever the first batch ended)
+        _poll_until(ingestor, lambda: _gaps("refetched") > refetched, 30, "the gap seen")
+        _poll_until(ingestor, lambda: sorted(_stored(data_dir, "kafka_offset")) == list(range(30)), 60,
+                    "every offset once")
+        produce(30, 30)
+        _poll_until(ingestor, lambda: ingestor.positions()[tp] > 30, 30, "a batch past 30")
+        start = ingestor.positions()[tp]
+        ingestor._consumer.seek(tp, 50)
+        _poll_until(ingestor, lambda: _gaps("refetched") > refetched + 1, 30, "the second gap seen")
+        ingestor._consumer.seek(tp, 50)  # the re-fetch skips them again: nothing is there to read
+        _poll_until(ingestor, lambda: _gaps("passed") > passed, 30, "the lasting gap passed")
+        expected = list(range(30)) + [o for o in range(30, 60) if not start <= o < 50]
+        _poll_until(ingestor, lambda: sorted(_stored(data_dir, "kafka_offset")) == expected, 60,
+                    "every offset but the lasting gap, once")
+    finally:
+        producer.close()
+        ingestor.close()
+    assert _gaps("refetched") == refetched + 2 and _gaps("passed") == passed + 1
