@@ -159,9 +159,6 @@ class TrainConfig(Section):
     # older requests replayed per recent training request (0.25 kept 93% of chat acceptance
     # after a code retrain, 1.0 kept 97%)
     replay_ratio: float = 1.0
-    # a young dataset with fewer older requests than the ratio asks trains on each of them up to
-    # this many times (whole passes) toward the ratio; 1 = each once
-    replay_max_repeats: int = Field(1, ge=1)
     # requests whose id hashes below this are held out for evaluation, never trained on
     heldout_fraction: float = 0.1
     heldout_max_samples: int = 64  # newest held-out requests of the window that are evaluated

@@ -18,11 +18,8 @@ columns (ids, times, token counts; never hidden states):
    the newest ``heldout_max_samples`` of them are evaluated;
 4. recent training requests = the rest of the window, newest first up to ``max_train_tokens``;
 5. replay = ``replay_ratio`` x that many requests drawn from every not-held-out request older
-   than the recent ones (before the window, or in it past the token cap) by a seeded hash, a few
-   files at a time (``_replay_sample``: loading them reads a bounded number of files, not the whole
-   past; deterministic for a given seed). A young dataset may hold fewer older requests than the
-   ratio asks: each is then trained on up to ``replay_max_repeats`` times (``replay_repeats``), so
-   the old traffic keeps its share of the optimizer steps.
+   than the recent ones (before the window, or in it past the token cap) by a seeded hash, a few files at a time (``_replay_sample``: loading them reads a bounded number
+   of files, not the whole past; deterministic for a given seed).
 ``load_window`` then streams only the files holding chosen requests through ``DatasetReader``
 and keeps the chosen ones as trainer ``Sample``s in bfloat16 (what was stored); with a
 ``spill_dir`` (online retrains) their hidden states go to a local file instead of memory and are
@@ -75,7 +72,6 @@ class WindowSpec:
     window_s: float = 0.0
     window_since_s: float = 0.0
     replay_ratio: float = 0.25
-    replay_max_repeats: int = 1
     heldout_fraction: float = 0.1
     heldout_max_samples: int = 64
     min_heldout_samples: int = 2
@@ -91,8 +87,7 @@ class WindowSpec:
                     until_s: float | None = None, version: int | None = None) -> "WindowSpec":
         return cls(window_samples=train_cfg.window_samples, window_s=train_cfg.window_s,
                    window_since_s=train_cfg.window_since_s,
-                   replay_ratio=train_cfg.replay_ratio, replay_max_repeats=train_cfg.replay_max_repeats,
-                   heldout_fraction=train_cfg.heldout_fraction,
+                   replay_ratio=train_cfg.replay_ratio, heldout_fraction=train_cfg.heldout_fraction,
                    heldout_max_samples=train_cfg.heldout_max_samples,
                    min_heldout_samples=train_cfg.min_heldout_samples,
                    max_train_tokens=train_cfg.max_train_tokens, max_seq_len=train_cfg.max_seq_len,
@@ -133,11 +128,10 @@ class WindowPlan:
     files: dict[str, list[DataFile]] = field(default_factory=dict, repr=False)
     data_version: int | None = None  # the table version read (None: no table yet)
     data_uri: str = ""
-    replay_repeats: int = 1  # passes over the replay per pass over the recent requests
 
     @property
     def train_ids(self) -> list[str]:
-        return self.recent + self.replay * self.replay_repeats
+        return self.recent + self.replay
 
     def summary(self) -> dict:
         """Flat facts for MLflow params and version tags."""
@@ -145,7 +139,6 @@ class WindowPlan:
             "window_start_s": self.window_start_s, "window_end_s": self.window_end_s,
             "catalog_requests": self.catalog_requests, "window_requests": self.window_requests,
             "recent_requests": len(self.recent), "replay_requests": len(self.replay),
-            "replay_repeats": self.replay_repeats,
             "heldout_requests": len(self.heldout), "heldout_in_window": self.heldout_in_window,
             "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
             "heldout_tokens": self.heldout_tokens, "heldout_generated_tokens": self.heldout_generated,
@@ -239,11 +232,8 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
     # everything older than the recent requests may be replayed: a window the token cap cut keeps
     # its older part as replay instead of dropping it (a code-only recent set still sees the chat)
     pool = [e for e in entries[:first_recent] if e.request_id not in held]
-    wanted = int(math.floor(spec.replay_ratio * len(recent) + 0.5))
-    n_replay = min(len(pool), wanted)
+    n_replay = min(len(pool), int(math.floor(spec.replay_ratio * len(recent) + 0.5)))
     replay = _replay_sample(pool, n_replay, spec.seed)
-    # a short past is repeated toward the ratio, at most replay_max_repeats times (whole passes)
-    repeats = max(1, min(spec.replay_max_repeats, wanted // n_replay)) if n_replay else 1
     chosen = {"recent": recent, "replay": replay, "heldout": evaluated}
     return WindowPlan(
         recent=[e.request_id for e in recent], replay=[e.request_id for e in replay],
@@ -256,7 +246,7 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
         heldout_generated=sum(e.generated for e in evaluated),
         files={role: sorted({f for e in group for f in e.files}, key=lambda f: f.path)
                for role, group in chosen.items()},
-        data_version=version, data_uri=table.uri, replay_repeats=repeats)
+        data_version=version, data_uri=table.uri)
 
 
 def _replay_sample(pool: list[RequestEntry], n: int, seed: int) -> list[RequestEntry]:

@@ -76,27 +76,6 @@ def test_a_window_since_a_shift_replays_the_traffic_before_it(dataset):
     assert all(r.startswith("chat") or int(r.split("-")[1]) < 30 for r in plan.replay)
 
 
-def test_a_short_past_is_replayed_in_whole_passes_toward_the_ratio(dataset):
-    """Fewer older requests than the ratio asks (a young dataset): each is trained on up to
-    replay_max_repeats times, in whole passes; the held-out and recent sets are untouched."""
-    data_dir, _, _ = dataset
-    spec = dict(window_since_s=T0 + 3600, replay_ratio=4.0, heldout_fraction=0.2, target_model="org/m")
-    once = plan_window(data_dir, WindowSpec(**spec))
-    wanted, pool = int(4.0 * len(once.recent) + 0.5), len(once.replay)
-    assert once.replay_repeats == 1 and pool < wanted  # every older training request, once
-    assert len(plan_window(data_dir, WindowSpec(**{**spec, "replay_ratio": 8.0})).replay) == pool
-    capped = plan_window(data_dir, WindowSpec(**spec, replay_max_repeats=8))
-    assert capped.replay == once.replay and capped.recent == once.recent and capped.heldout == once.heldout
-    assert capped.replay_repeats == wanted // pool > 1  # whole passes, never past the ratio
-    assert capped.train_ids == capped.recent + capped.replay * capped.replay_repeats
-    assert plan_window(data_dir, WindowSpec(**spec, replay_max_repeats=2)).replay_repeats == min(2, wanted // pool)
-    data = load_window(data_dir, capped, train_on_prompt=False, max_seq_len=64)
-    assert len(data.train) == len(capped.recent) + capped.replay_repeats * pool
-    replayed = data.train[len(capped.recent):]  # repeats are the same samples, loaded once
-    assert all(a is b for a, b in zip(replayed, replayed[pool:]))
-    assert capped.summary()["replay_repeats"] == capped.replay_repeats
-
-
 def test_a_window_cut_by_the_token_cap_replays_its_older_part(dataset):
     """A window holding everything (window_s 2 h) cut to its newest 200 tokens: the rest is replayed,
     never dropped (a code-only recent set still sees the chat before it)."""
