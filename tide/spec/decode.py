@@ -134,7 +134,7 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return probs
 
 
-def _feed(rows: list[RowInput]):
+def feed_tensors(rows: list[RowInput]):
     """The rows' drafter feeds padded to the longest: (tokens, aux, positions, index of each row's last)."""
     bsz, m = len(rows), max(r.feed_tokens.numel() for r in rows)
     tokens = torch.zeros(bsz, m, dtype=torch.long)
@@ -158,7 +158,7 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
     the drafts carry (None: none). With ``n_siblings`` > 0 each row's ``n_siblings`` next-best
     depth-1 tokens come too."""
     bsz = len(rows)
-    tokens, aux, positions, last = _feed(rows)
+    tokens, aux, positions, last = feed_tensors(rows)
     slots = torch.tensor([r.slot for r in rows])
     first = torch.tensor([r.drafter_first_pos for r in rows]) if any(r.drafter_first_pos for r in rows) else None
     d2t_ids = drafter.draft_to_target
@@ -280,16 +280,17 @@ def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_toke
 def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: KVCache,
                      drafter_cache: KVCache, rows: list[RowInput], gamma: int, planner: Planner,
                      head: Confidence | None = None, siblings: int = 0,
-                     pass_rows: int = 1) -> tuple[list[RowResult], StepStats]:
+                     pass_rows: int = 1, drafting=draft) -> tuple[list[RowResult], StepStats]:
     """One draft-verify-accept step under ``planner``. ``head``: the confidence head the drafts
     carry survivals from (the engine's choice: a head that failed calibration is not passed).
     ``siblings``: the most depth-1 alternatives verified beside each row's chain
     (tide/spec/tree.py), as many as fit the weight passes the chain's verify makes anyway, a pass
     being ``pass_rows`` query rows (the target's kernel, injected by the engine); none under a
-    packed planner."""
+    packed planner. ``drafting``: the drafter kind's draft function (``draft``'s signature; the
+    block drafter's is tide/spec/block.py)."""
     n_sib = 0 if planner.packed else siblings
     t0 = time.perf_counter()
-    drafts = draft(drafter, target.embed_weight, drafter_cache, rows, gamma, planner, head, n_sib)
+    drafts = drafting(drafter, target.embed_weight, drafter_cache, rows, gamma, planner, head, n_sib)
     lengths = [max(0, min(n, drafts.depth)) for n in planner.lengths(drafts)]
     t1 = time.perf_counter()
     k = max(lengths)

@@ -5,7 +5,8 @@ The engine runs the same functions batched; this is the unbatched reference:
 2. repeat ``speculative_step`` (or ``target_step`` without a drafter) until ``max_new_tokens``
    tokens or a stop token; the drafter's feed is what the previous step committed. Each step's
    planner is the stop rule at ``stop_prob`` (0: every draft), or ``planner()`` when given; the
-   drafter's own confidence head serves as it is, and siblings are priced at the row kernel's pass.
+   drafter's own confidence head serves as it is, and siblings are priced at the row kernel's pass;
+   ``drafting`` is the drafter kind's draft function (tide/spec/block.py for the block drafter).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from tide.drafter.model import Eagle3Drafter
 from tide.models.llama import LlamaTarget
 from tide.models.rowkernel import PASS_ROWS
-from tide.spec.decode import Planner, RowInput, filtered_probs, prefill, speculative_step, target_step
+from tide.spec.decode import Planner, RowInput, draft, filtered_probs, prefill, speculative_step, target_step
 from tide.spec.rules import StopRule
 
 
@@ -39,7 +40,7 @@ def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: lis
              max_new_tokens: int, gamma: int = 4, temperature: float = 0.0, top_p: float = 1.0,
              seed: int | None = None, stop_ids: tuple[int, ...] = (),
              stop_prob: float = 0.0, siblings: int = 0,
-             planner=None) -> tuple[list[int], GenerationStats]:
+             planner=None, drafting=draft) -> tuple[list[int], GenerationStats]:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     max_len = len(prompt_ids) + max_new_tokens + gamma + siblings + 2
     tcache = target.new_cache(1, max_len)
@@ -60,7 +61,7 @@ def generate(target: LlamaTarget, drafter: Eagle3Drafter | None, prompt_ids: lis
         else:
             plan: Planner = planner() if planner is not None else StopRule(stop_prob)
             (res,), st = speculative_step(target, drafter, tcache, dcache, [row], gamma, plan, drafter.confidence,
-                                          siblings, PASS_ROWS)
+                                          siblings, PASS_ROWS, drafting)
             for i, c in enumerate(st.position_accepts):
                 stats.position_accepts[i] += c
             stats.sibling_accepts += st.sibling_accepts

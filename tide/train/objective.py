@@ -106,8 +106,12 @@ def needed_rows(loss_mask: torch.Tensor, length: int) -> Rows:
 
 
 def unroll(drafter: Eagle3Drafter, embed: torch.Tensor, batch: Batch, length: int, logits: bool = True,
-           rows: Rows | None = None):
+           rows: Rows | None = None, block: bool = False):
     """Yield (step, draft logits [n, Vd] (or the hidden stream [n, H] if not ``logits``), rows).
+
+    ``block``: the block drafter's unroll (tide/drafter/block.py): steps >= 1 read its mask rows
+    instead of the next token and the previous step's output; their logits leave out the Markov
+    bias, which the caller adds (``block_logits``).
 
     Step 0 projects q/k/v at every position (its keys are what later positions attend to); the rest
     of step 0 and all of steps >= 1 run only ``rows`` (default ``needed_rows``), so a prompt
@@ -131,8 +135,12 @@ def unroll(drafter: Eagle3Drafter, embed: torch.Tensor, batch: Batch, length: in
             cos, sin = drafter.rope_at(torch.arange(t, device=batch.tokens.device).expand(bsz, t))
             q, k, v = attn.qkv(x, cos, sin)
         else:
-            tokens = rows.at(batch.tokens, step)
-            x = layer.attn_input(F.embedding(tokens, embed).to(hidden.dtype), hidden)[None]
+            if block:  # mask rows: the same input at every row, its own rope position
+                embeds, hidden = drafter.mask_rows((len(rows.t),))
+                x = layer.attn_input(embeds.to(hidden.dtype), hidden)[None]
+            else:
+                tokens = rows.at(batch.tokens, step)
+                x = layer.attn_input(F.embedding(tokens, embed).to(hidden.dtype), hidden)[None]
             cos, sin = drafter.rope_at((rows.t + step)[None])
             q_rows, k_rows, v_rows = attn.qkv(x, cos, sin)
             q, k, v = (torch.zeros(bsz, t, *r.shape[2:], dtype=r.dtype, device=r.device).index_put((rows.b, rows.t), r[0])
@@ -200,9 +208,10 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: tor
 
 @torch.no_grad()
 def chain_lengths(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.Tensor,
-                  batch: Batch, gamma: int) -> tuple[Rows, torch.Tensor, torch.Tensor]:
+                  batch: Batch, gamma: int, block: bool = False) -> tuple[Rows, torch.Tensor, torch.Tensor]:
     """Per position t whose next token is generated: how many of the ``gamma`` drafts from t a
-    greedy verify would accept (drafts 0..i all equal the target's full-vocab argmax).
+    greedy verify would accept (drafts 0..i all equal the target's full-vocab argmax); ``block``:
+    a block drafter's drafts.
 
     Returns (rows, accepted [n] int64, counted [n] bool: t+1 is generated)."""
     rows = needed_rows(batch.loss_mask, 1)  # the chain only counts from positions t with t+1 generated
@@ -210,7 +219,9 @@ def chain_lengths(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: t
     chain, accepted = counted.clone(), torch.zeros(counted.shape, dtype=torch.long, device=counted.device)
     if not bool(counted.any()):
         return rows, accepted, counted
-    for step, logits, _ in unroll(drafter, embed, batch, gamma, rows=rows):
+    for step, logits, _ in unroll(drafter, embed, batch, gamma, rows=rows, block=block):
+        if block:  # an accepted prefix is the sequence's own tokens: the bias they give
+            logits = block_logits(drafter, logits, rows.at(batch.tokens, step))
         pred = drafter.draft_to_target[logits.argmax(-1)]
         if batch.target_top is not None:  # precomputed once per sample: the full-vocab head is the cost
             target_top = rows.at(batch.target_top, step)
@@ -219,6 +230,12 @@ def chain_lengths(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: t
         chain = chain & (pred == target_top) & (rows.at(batch.loss_mask, step) > 0)
         accepted += chain.long()
     return rows, accepted, counted
+
+
+def block_logits(drafter, base: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+    """[n, Vd] a block drafter's logits: base logits plus the Markov bias of the token before
+    each row's prediction (``prev_ids`` [n] target ids: ``rows.at(tokens, step)``)."""
+    return base.float() + drafter.bias(prev_ids).float()
 
 
 def simulated_acceptance(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.Tensor,

@@ -13,6 +13,7 @@ The target's embedding and lm_head are frozen inputs; only the drafter's paramet
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -149,10 +150,13 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
           seed: int = 0, progress: bool = True, max_wall_s: float | None = None,
           on_step: Callable[[int, float], None] | None = None, feature_weight: float = 0.0,
           ce_weight: float = 1.0, train_head: bool = True, device: torch.device | None = None,
-          precision: str = "fp32", ranks: Ranks = Ranks(), accumulate: int = 1, anchor: float = 0.0) -> TrainResult:
+          precision: str = "fp32", ranks: Ranks = Ranks(), accumulate: int = 1, anchor: float = 0.0,
+          objective: Callable | None = None) -> TrainResult:
     """Train ``drafter`` in place on ``device`` (default CPU; left on the CPU afterwards). Each
     step takes ``accumulate`` batches per rank (``tide/train/distributed.py``). ``anchor`` > 0 pulls
-    the weights back toward where they started after every step (``_pull_toward``)."""
+    the weights back toward where they started after every step (``_pull_toward``). ``objective``
+    (drafter, embed, lm_head, batch) -> (loss, step losses, step accuracies): default EAGLE3's
+    loss with the weights given here (the block drafter's: tide/train/block_objective.py)."""
     if anchor < 0 or anchor * lr >= 1.0:  # a pull of the whole drift or more overshoots the start
         raise ValueError(f"anchor must be >= 0 and anchor x lr below 1, got {anchor} x {lr}")
     device = device or torch.device("cpu")
@@ -171,8 +175,9 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, i / horizon[0])))))
     rng = random.Random(seed)
-    model = wrap(_Loss(drafter, embed, lm_head, ttt_length, step_weight, feature_weight, ce_weight), ranks,
-                 find_unused=ce_weight <= 0)
+    objective = objective or functools.partial(eagle3_loss, length=ttt_length, step_weight=step_weight,
+                                               feature_weight=feature_weight, ce_weight=ce_weight)
+    model = wrap(_Loss(drafter, embed, lm_head, objective), ranks, find_unused=ce_weight <= 0)
     result = TrainResult()
     paced: tuple[int, float] | None = None  # (steps, seconds) at the last cap estimate
     start = time.monotonic()
@@ -253,17 +258,16 @@ def _pull_toward(params: list[torch.Tensor], start: list[torch.Tensor], rate: fl
 
 
 class _Loss(torch.nn.Module):
-    """``eagle3_loss`` as a module's forward: what DDP wraps (its hooks need a forward call)."""
+    """The objective as a module's forward: what DDP wraps (its hooks need a forward call)."""
 
-    def __init__(self, drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, ttt_length: int,
-                 step_weight: float, feature_weight: float, ce_weight: float):
+    def __init__(self, drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, objective: Callable):
         super().__init__()
         self.drafter = drafter
         self.inputs = (embed, lm_head)  # frozen target tensors: not parameters, never synchronised
-        self.weights = (ttt_length, step_weight, feature_weight, ce_weight)
+        self.objective = objective
 
     def forward(self, batch: Batch):
-        return eagle3_loss(self.drafter, *self.inputs, batch, *self.weights)
+        return self.objective(self.drafter, *self.inputs, batch)
 
 
 @torch.no_grad()
