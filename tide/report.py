@@ -59,9 +59,11 @@ class ModeResult:
 
 def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, list[list[int]]],
             max_new_tokens: int, gamma: int, progress=print,
-            stop_prob: float = 0.0, siblings: int = 0) -> dict[str, dict[str, ModeResult]]:
+            stop_prob: float = 0.0, siblings: int = 0,
+            drafting: dict | None = None) -> dict[str, dict[str, ModeResult]]:
     """{workload: {mode: ModeResult}}; mode "target" is target-only decoding. Drafters run as the
-    engine serves them (``for_serving``)."""
+    engine serves them (``for_serving``); ``drafting``: a mode's draft function where its drafter
+    kind has its own (tide/spec/block.py), else ``tide.spec.decode.draft``."""
     modes = [("target", None), *((name, for_serving(d)) for name, d in drafters.items())]
     out: dict[str, dict[str, ModeResult]] = {}
     for workload, prompts in prompts_by_workload.items():
@@ -74,8 +76,9 @@ def compare(target: LlamaTarget, drafters: dict, prompts_by_workload: dict[str, 
             outputs = {}
             for name, drafter in rotated:
                 t0 = time.perf_counter()
+                kind = {"drafting": drafting[name]} if drafting and name in drafting else {}
                 tokens, stats = generate(target, drafter, ids, max_new_tokens, gamma=gamma, stop_prob=stop_prob,
-                                         siblings=siblings)
+                                         siblings=siblings, **kind)
                 elapsed = time.perf_counter() - t0
                 res[name].add(tokens=len(tokens) - 1, decode_s=max(1e-6, elapsed - prefill_s),
                               forwards=stats.target_forwards,
