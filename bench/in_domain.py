@@ -19,7 +19,14 @@ Steps:
    tokens per target forward and decode tok/s of each, and each ratio with its 90% paired
    bootstrap interval over prompts. The figure: adapted / in-domain.
 
+3. ``--curve N:passes,...`` (what closes the gap): the static drafter retrained as an online retrain
+   trains it (``train.*`` defaults: rate, batches, TTT, update fraction) on the first N requests of
+   the code training split for a fixed number of passes (steps, not seconds: the figure does not
+   depend on the machine's load), each compared with the reference the same way. N=150 at 8 passes
+   is about what the demo's full retrain sees (its 32k-token window, ~8 passes capped by time).
+
     python -m bench.in_domain --adapted <folder of a demo's adapted version> [--prompts 24] [--json out.json]
+    python -m bench.in_domain --curve 150:8,1200:1 --json curve.json
     python -m bench.in_domain --out /tmp/toy train_prompts=32 max_train_s=20 train_ranks=1 ...  (a toy size)
 """
 from __future__ import annotations
@@ -38,6 +45,7 @@ from bench.recipe_variant import parse_overrides
 from bench.report import print_table, write_json
 from tide.comparison import load_prompts
 from tide.config import load_config
+from tide.config import replace as config_replace
 from tide.drafter.artifact import TargetSpec, load_drafter, save_drafter
 from tide.drafter.static import static_drafter_path
 from tide.report import compare, ratio_interval
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=24, help="held-out code prompts compared")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--curve", default="", help="N:passes,... retrains from the static drafter on the first N "
+                                                 "code training requests (step 3)")
     ap.add_argument("overrides", nargs="*", help="recipe fields, key=value (a toy size; the figure uses none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -133,18 +143,65 @@ def main(argv: list[str] | None = None) -> int:
     else:
         meta = train_reference(cfg, recipe, out, cfg.home_path / "train-cache" / f"in-domain-{WORKLOAD}")
         print(f"in-domain reference trained: {out}\n" + json.dumps({k: v for k, v in meta.items() if k != "recipe"}))
-    return report(cfg, out, args)
+    return report(cfg, out, args, recipe)
 
 
-def report(cfg, reference: Path, args) -> int:
-    """Step 2: static, adapted and in-domain on the same held-out code prompts."""
-    from tide.models.target import load_target
+def curve_points(text: str) -> list[tuple[int, int]]:
+    """"150:8,1200:1" -> [(150, 8), (1200, 1)]: requests and passes, each >= 1."""
+    points = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        n, _, passes = item.partition(":")
+        if not (n.isdigit() and passes.isdigit() and int(n) > 0 and int(passes) > 0):
+            raise SystemExit(f"--curve: {item!r} is not N:passes with both >= 1")
+        points.append((int(n), int(passes)))
+    return points
 
-    target, tok, _ = load_target(cfg)
+
+def curve_drafters(cfg, recipe: StaticRecipe, points: list[tuple[int, int]], target, tok, eos, static) -> dict:
+    """Step 3: {"retrain-N-xP": the static drafter retrained on the first N code training requests
+    for P passes, at the retrain's update fraction, rounded to bf16 as registered}."""
+    import copy
+
+    from tide import workloads
+    from tide.drafter.artifact import round_weights_
+    from tide.train.ranks import train_kwargs
+    from tide.train.trainer import keep_update_, train
+
+    if not points:
+        return {}
+    cache = cfg.home_path / "train-cache" / f"in-domain-{WORKLOAD}"
+    # the reference's prompts and cached chunks: only those holding the first N are read
+    prompts = workloads.code("train", recipe.train_prompts, recipe.seed, home=cfg.home_path)
+    samples = []
+    for a, b in generation_chunks(len(prompts), recipe.generation_chunk):
+        if a >= max(n for n, _ in points):
+            break
+        samples += prompt_samples(target, tok, eos, prompts[a:b], recipe, cache,
+                                  f"train-{a}-{b}x{recipe.max_new_tokens}", recipe.train_on_prompt)
+    out = {}
+    for n, passes in points:
+        tc = config_replace(cfg.train, epochs=passes, max_train_s=1e9)  # passes decide, not the clock
+        cand = copy.deepcopy(static)
+        t0 = time.monotonic()
+        result = train(cand, target.embed_weight, target.lm_head_weight, samples[:n], **train_kwargs(tc))
+        keep_update_(cand, static, tc.update_fraction)
+        out[f"retrain-{n}-x{passes}"] = round_weights_(cand, torch.bfloat16)
+        print(f"retrain on {n} code requests x {passes} passes: {result.steps} steps in "
+              f"{time.monotonic() - t0:.0f} s, {sum(len(s) for s in samples[:n])} tokens")
+    return out
+
+
+def report(cfg, reference: Path, args, recipe: StaticRecipe) -> int:
+    """Step 2 (and 3): static, adapted, in-domain and the curve's retrains on the same held-out code prompts."""
+    from tide.models.target import eos_ids_of, load_target
+
+    target, tok, folder = load_target(cfg)
     spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
     drafters = {"static": load_drafter(static_drafter_path(cfg), spec), "in_domain": load_drafter(reference, spec)}
     if args.adapted is not None:
         drafters["adapted"] = load_drafter(args.adapted, spec)
+    drafters.update(curve_drafters(cfg, recipe, curve_points(args.curve), target, tok, eos_ids_of(tok, folder),
+                                   drafters["static"]))
     prompts = [render_prompt(tok, p.chat_messages(), 256)
                for p in load_prompts(WORKLOAD, "heldout", args.prompts, COMPARE_SEED)]
     res = compare(target, drafters, {WORKLOAD: prompts}, args.max_new_tokens, cfg.spec.draft_len, progress=print,
@@ -152,7 +209,8 @@ def report(cfg, reference: Path, args) -> int:
     out = {"reference": str(reference), "adapted": str(args.adapted) if args.adapted else None,
            "prompts": len(prompts), "modes": {m: r.as_dict() for m, r in res.items()},
            "ratios": {f"{a}_over_{b}": ratios(res, a, b)
-                      for a, b in (("adapted", "in_domain"), ("static", "in_domain"), ("adapted", "static"))
+                      for a, b in (("adapted", "in_domain"), ("static", "in_domain"), ("adapted", "static"),
+                                   *((m, "in_domain") for m in res if m.startswith("retrain-")))
                       if a in res and b in res}}
     rows = [("mode", "tokens/forward", "tok/s", "identical to target")]
     rows += [(m, f"{r.tokens_per_forward:.3f}", f"{r.tokens_per_s:.2f}", f"{r.identical_to_target}/{r.prompts}")
