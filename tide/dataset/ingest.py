@@ -83,8 +83,7 @@ class Ingestor:
         """Create the table if missing, create topics, join the group."""
         self.table = DatasetTable(self.location)
         self.table.ensure()
-        # pyarrow imports pandas on its first conversion of Python objects (~0.5 s): pay it now,
-        # not with the first row group
+        # pyarrow imports pandas on its first conversion of Python objects: pay it now, not with the first row group
         pa.array(["warm-up"], pa.string())
         if self.config.create_topics:
             ensure_topics(self.config, self.kafka)
@@ -179,7 +178,7 @@ class Ingestor:
                 log.warning("ingest: %s ends before offset %d the table records for it and the group has no "
                             "committed offset: the topic was recreated; reading it from the start", tp, recorded)
                 recorded = None
-            state = self._parts[tp] = PartitionState(skip_through=-1 if recorded is None else recorded)
+            state = self._parts[tp] = PartitionState.after(recorded)
         return state
 
     def _topic_recreated(self, tp: Any, recorded: int) -> bool:
@@ -241,6 +240,7 @@ class Ingestor:
         if outcome == PASS:
             log.error("ingest: %s offsets %d..%d missing twice from the broker's answers; going on",
                       tp, state.expected, offset - 1)
+            state.cover_gap(time.monotonic())  # the batch spans the gap: the table's offsets stay contiguous
             return False
         log.warning("ingest: %s offsets %d..%d missing from a fetch; fetching again", tp, state.expected, offset - 1)
         self._consumer.seek(tp, state.expected)

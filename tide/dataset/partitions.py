@@ -44,12 +44,24 @@ class PartitionState:
     expected: int = -1  # the next offset the partition's stream should yield (-1: not known yet)
     refetched_from: int = -1  # a gap at this offset was fetched again once
 
+    @classmethod
+    def after(cls, recorded: int | None) -> "PartitionState":
+        """A partition whose offsets up to ``recorded`` are in the table (None: none recorded): the
+        next one is what its stream must yield (``gap``)."""
+        return cls() if recorded is None else cls(skip_through=recorded, expected=recorded + 1)
+
     def note(self, offset: int, now_s: float) -> None:
         if self.first_offset < 0:
             self.first_offset = offset
             self.opened_at_s = now_s
         self.last_offset = offset
         self.expected = offset + 1
+
+    def cover_gap(self, now_s: float) -> None:
+        """A gap passed (PASS): an empty batch starts at the gap's first offset, so the table's
+        commit of it follows the offset committed before (tide/dataset/table.py, ``append``)."""
+        if self.first_offset < 0:
+            self.first_offset, self.opened_at_s = self.expected, now_s
 
     def gap(self, offset: int) -> str:
         """What to do with ``offset`` arriving: "" (in order), REFETCH (offsets before it never

@@ -38,8 +38,11 @@ TABLE_NAME = "tide_captures"
 
 
 class Stale(Exception):
-    """The app id's recorded version already covers offsets of this batch: another writer (a
-    replica that owned the partition before a rebalance) committed them; ``.version`` says where."""
+    """The batch does not start right after the app id's recorded version: another writer (a
+    replica that owned the partition before a rebalance) committed some of its offsets, or offsets
+    before it are missing (a batch still in flight after its replica rewound or lost the
+    partition: committing it would leave a hole no replay fills). ``.version`` says where the
+    table is: consume again from the offset after it."""
 
     def __init__(self, app_id: str, version: int) -> None:
         super().__init__(f"{app_id} already at offset {version}")
@@ -121,7 +124,8 @@ class DatasetTable:
                app_id: str | None = None, first_offset: int = 0, last_offset: int = 0,
                metadata: dict[str, str] | None = None) -> int:
         """Commit ``adds`` (AddActions of files already written); returns the new version.
-        With ``app_id``: Stale if the table already holds any offset >= ``first_offset`` of it."""
+        With ``app_id``: Stale unless ``first_offset`` follows the app's recorded offset (any
+        offset when none is recorded): an app's offsets reach the table in order, without holes."""
         from deltalake import CommitProperties, Transaction
         from deltalake.exceptions import CommitFailedError
 
@@ -131,7 +135,7 @@ class DatasetTable:
             dt = self.writable()
             if app_id is not None:
                 done = dt.transaction_version(app_id)
-                if done is not None and done >= first_offset:
+                if done is not None and done != first_offset - 1:
                     raise Stale(app_id, done)
             try:
                 dt.create_write_transaction(adds, "append", TABLE_SCHEMA, partition_by=list(PARTITION_COLUMNS),

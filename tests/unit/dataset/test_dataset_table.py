@@ -54,6 +54,20 @@ def test_an_app_transaction_never_commits_offsets_twice(tmp_path, helpers):
     assert stale.value.version == 1 and table.summary()["rows"] == 2
 
 
+def test_an_app_transaction_never_leaves_a_hole(tmp_path, helpers):
+    """A batch that does not follow the recorded offset (one still in flight after its replica
+    rewound past a stale batch, or lost the partition) is refused: committing it would move the
+    recorded offset past offsets no replica has written, and every replay would skip them."""
+    helpers.write_file(tmp_path, [helpers.make_record("a")], first_offset=0, app_id="g/t/0")
+    table = DatasetTable(tmp_path)
+    with pytest.raises(Stale) as hole:  # offsets 1..4 of g/t/0 are nowhere yet
+        helpers.write_file(tmp_path, [helpers.make_record("c")], first_offset=5, app_id="g/t/0")
+    assert hole.value.version == 0 and table.app_version("g/t/0") == 0 and table.summary()["rows"] == 1
+    helpers.write_file(tmp_path, [helpers.make_record(f"b{i}") for i in range(4)], first_offset=1, app_id="g/t/0")
+    helpers.write_file(tmp_path, [helpers.make_record("c")], first_offset=5, app_id="g/t/0")  # now it follows
+    assert table.app_version("g/t/0") == 5 and table.summary()["rows"] == 6
+
+
 def test_second_process_sees_committed_versions(tmp_path, helpers):
     helpers.write_file(tmp_path, [helpers.make_record("x")])
     code = ("import sys; from tide.dataset.table import DatasetTable; "

@@ -24,3 +24,18 @@ def test_a_gap_is_fetched_again_once_then_passed():
     assert state.gap(136) == PASS  # ... but only once: the topic has nothing at 135
     state.note(136, 0.0)
     assert state.gap(137) == ""
+
+
+def test_a_partition_after_the_table_expects_the_next_offset_and_a_passed_gap_opens_the_batch():
+    """The table's offsets stay contiguous (DatasetTable.append): a state resumed after the table's
+    recorded offset expects the one after it, and a gap passed at a batch's start opens the batch
+    at the gap, so its commit follows the recorded offset."""
+    assert PartitionState.after(None).expected == -1
+    state = PartitionState.after(99)
+    assert (state.skip_through, state.expected) == (99, 100)
+    assert state.gap(104) == REFETCH and state.gap(104) == PASS  # 100..103: not in the topic
+    state.cover_gap(1.0)
+    state.note(104, 1.0)
+    assert (state.first_offset, state.last_offset, state.expected) == (100, 104, 105)
+    state.cover_gap(2.0)  # a batch already open keeps its start
+    assert state.first_offset == 100
