@@ -23,7 +23,8 @@ Steps:
    trains it (``train.*`` defaults: rate, batches, TTT, update fraction) on the first N requests of
    the code training split for a fixed number of passes (steps, not seconds: the figure does not
    depend on the machine's load), each compared with the reference the same way. N=150 at 8 passes
-   is about what the demo's full retrain sees (its 32k-token window, ~8 passes capped by time).
+   is about what the demo's full retrain sees (its 32k-token window, ~8 passes capped by time);
+   ``--curve-fractions 1,0.6`` scores each at those update fractions (one training run each).
 
     python -m bench.in_domain --adapted <folder of a demo's adapted version> [--prompts 24] [--json out.json]
     python -m bench.in_domain --curve 150:8,1200:1 --json curve.json
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--curve", default="", help="N:passes,... retrains from the static drafter on the first N "
                                                  "code training requests (step 3)")
+    ap.add_argument("--curve-fractions", default="", help="update fractions each curve retrain is scored at "
+                                                           "(default: train.update_fraction)")
     ap.add_argument("overrides", nargs="*", help="recipe fields, key=value (a toy size; the figure uses none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -157,9 +160,11 @@ def curve_points(text: str) -> list[tuple[int, int]]:
     return points
 
 
-def curve_drafters(cfg, recipe: StaticRecipe, points: list[tuple[int, int]], target, tok, eos, static) -> dict:
+def curve_drafters(cfg, recipe: StaticRecipe, points: list[tuple[int, int]], target, tok, eos, static,
+                   fractions: tuple[float, ...] = ()) -> dict:
     """Step 3: {"retrain-N-xP": the static drafter retrained on the first N code training requests
-    for P passes, at the retrain's update fraction, rounded to bf16 as registered}."""
+    for P passes, at the retrain's update fraction (or "retrain-N-xP-fF" at each of ``fractions``),
+    rounded to bf16 as registered}."""
     import copy
 
     from tide import workloads
@@ -184,8 +189,10 @@ def curve_drafters(cfg, recipe: StaticRecipe, points: list[tuple[int, int]], tar
         cand = copy.deepcopy(static)
         t0 = time.monotonic()
         result = train(cand, target.embed_weight, target.lm_head_weight, samples[:n], **train_kwargs(tc))
-        keep_update_(cand, static, tc.update_fraction)
-        out[f"retrain-{n}-x{passes}"] = round_weights_(cand, torch.bfloat16)
+        for fraction in fractions or (tc.update_fraction,):  # each: the change kept, as a retrain registers it
+            kept = copy.deepcopy(cand)
+            keep_update_(kept, static, fraction)
+            out[f"retrain-{n}-x{passes}" + (f"-f{fraction:g}" if fractions else "")] = round_weights_(kept, torch.bfloat16)
         print(f"retrain on {n} code requests x {passes} passes: {result.steps} steps in "
               f"{time.monotonic() - t0:.0f} s, {sum(len(s) for s in samples[:n])} tokens")
     return out
@@ -200,8 +207,9 @@ def report(cfg, reference: Path, args, recipe: StaticRecipe) -> int:
     drafters = {"static": load_drafter(static_drafter_path(cfg), spec), "in_domain": load_drafter(reference, spec)}
     if args.adapted is not None:
         drafters["adapted"] = load_drafter(args.adapted, spec)
+    fractions = tuple(float(f) for f in args.curve_fractions.split(",") if f.strip())
     drafters.update(curve_drafters(cfg, recipe, curve_points(args.curve), target, tok, eos_ids_of(tok, folder),
-                                   drafters["static"]))
+                                   drafters["static"], fractions))
     prompts = [render_prompt(tok, p.chat_messages(), 256)
                for p in load_prompts(WORKLOAD, "heldout", args.prompts, COMPARE_SEED)]
     res = compare(target, drafters, {WORKLOAD: prompts}, args.max_new_tokens, cfg.spec.draft_len, progress=print,
