@@ -25,17 +25,16 @@ Steps:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.recipe_variant import parse_overrides
+from bench.recipe_variant import recipe_of
 from bench.report import print_table, write_json
 from tide.comparison import load_prompts
 from tide.config import load_config
@@ -114,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from tide.train.generation_pool import TargetSource
 
     cfg = load_config(None)
-    try:  # the recipe checks its own fields when made
-        recipe = replace(RECIPES[args.recipe], **parse_overrides(args.overrides, RECIPES[args.recipe]))
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    name = args.recipe + ("-" + hashlib.sha256(" ".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else "")
+    recipe, name = recipe_of(args.recipe, args.overrides)
     out = args.out or cfg.home_path / "drafters" / f"block-trial-{name}"
     target, tok, folder = load_target(cfg)
     source = TargetSource(str(folder), target.aux_layer_ids, cfg.model.dtype, cfg.model.max_seq_len)

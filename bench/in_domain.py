@@ -33,16 +33,15 @@ Steps:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from bench.recipe_variant import parse_overrides
+from bench.recipe_variant import recipe_of
 from bench.report import print_table, write_json
 from tide.comparison import load_prompts
 from tide.config import load_config
@@ -134,12 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = load_config(None)
-    try:  # the recipe checks its own fields when made
-        recipe = replace(RECIPES[args.recipe], **parse_overrides(args.overrides, RECIPES[args.recipe]))
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    # a recipe with overrides (a toy size) gets a folder of its own, never the figure's
-    name = args.recipe + ("-" + hashlib.sha256(" ".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else "")
+    recipe, name = recipe_of(args.recipe, args.overrides)
     out = args.out or reference_folder(cfg.home_path, name)
     if is_trained(out, recipe):
         print(f"in-domain reference: {out} (trained before with this recipe)")

@@ -40,6 +40,18 @@ def parse_overrides(pairs: list[str], recipe: StaticRecipe) -> dict:
     return out
 
 
+def recipe_of(name: str, overrides: list[str]) -> tuple[StaticRecipe, str]:
+    """(the named recipe with ``overrides`` applied, its folder name): a recipe with overrides (a
+    toy size) gets a name of its own, never the figure's. A bad override exits with its reason."""
+    import hashlib
+
+    try:  # the recipe checks its own fields when made
+        recipe = replace(RECIPES[name], **parse_overrides(overrides, RECIPES[name]))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return recipe, name + ("-" + hashlib.sha256(" ".join(overrides).encode()).hexdigest()[:8] if overrides else "")
+
+
 def _typed(key: str, value: str, kind: type):
     if kind is bool:
         if value.lower() not in ("true", "false"):

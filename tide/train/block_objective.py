@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from tide.drafter.block import BlockDrafter
-from tide.train.objective import Batch, block_logits, unroll
+from tide.train.objective import Batch, block_logits, teacher_rows, unroll
 
 CE_WEIGHT, TV_WEIGHT = 0.1, 0.9  # DSpark's loss weights
 
@@ -30,12 +29,7 @@ def block_loss(drafter: BlockDrafter, embed: torch.Tensor, lm_head_weight: torch
                tv_weight: float = TV_WEIGHT) -> tuple[torch.Tensor, list[float], list[float]]:
     """(weighted loss, per-step loss values, per-step top-1 agreement with the teacher)."""
     mask_all = batch.loss_mask * batch.in_vocab
-    ub, ut = (mask_all > 0).nonzero(as_tuple=True)
-    with torch.no_grad():  # one teacher row per masked position, shared by the steps predicting it
-        head_draft = lm_head_weight[drafter.draft_to_target].float()
-        teacher_p = torch.softmax(F.linear(batch.final[ub, ut].float(), head_draft), dim=-1)
-    teacher_at = torch.full(mask_all.shape, -1, dtype=torch.long, device=mask_all.device)
-    teacher_at[ub, ut] = torch.arange(len(ub), device=mask_all.device)
+    teacher_p, teacher_at = teacher_rows(drafter, lm_head_weight, batch, mask_all)
     total = torch.zeros((), device=mask_all.device)
     losses, accs = [], []
     for step, hidden, rows in unroll(drafter, embed, batch, length, logits=False, block=True):

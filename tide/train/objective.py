@@ -154,6 +154,19 @@ def unroll(drafter: Eagle3Drafter, embed: torch.Tensor, batch: Batch, length: in
         yield step, drafter.logits(hidden) if logits else hidden, rows
 
 
+def teacher_rows(drafter, lm_head_weight: torch.Tensor, batch: Batch,
+                 mask_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher distributions over the draft vocab [n, Vd], one per masked position; [B, T] the
+    row of each position, -1 elsewhere): shared by the steps that predict the same position."""
+    ub, ut = (mask_all > 0).nonzero(as_tuple=True)
+    with torch.no_grad():
+        head_draft = lm_head_weight[drafter.draft_to_target].float()
+        teacher_p = torch.softmax(F.linear(batch.final[ub, ut].float(), head_draft), dim=-1)
+    teacher_at = torch.full(mask_all.shape, -1, dtype=torch.long, device=mask_all.device)
+    teacher_at[ub, ut] = torch.arange(len(ub), device=mask_all.device)
+    return teacher_p, teacher_at
+
+
 def eagle3_loss(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: torch.Tensor, batch: Batch,
                 length: int = 7, step_weight: float = 0.8, feature_weight: float = 0.0,
                 ce_weight: float = 1.0) -> tuple[torch.Tensor, list[float], list[float]]:
@@ -170,13 +183,7 @@ def eagle3_loss(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head_weight: tor
     mask_all = batch.loss_mask * batch.in_vocab
     teacher_at = None
     if ce_weight > 0:
-        # teacher rows: one per masked position; index -1 elsewhere
-        ub, ut = (mask_all > 0).nonzero(as_tuple=True)
-        with torch.no_grad():
-            head_draft = lm_head_weight[drafter.draft_to_target].float()
-            teacher_p = torch.softmax(F.linear(batch.final[ub, ut].float(), head_draft), dim=-1)
-        teacher_at = torch.full(mask_all.shape, -1, dtype=torch.long, device=mask_all.device)
-        teacher_at[ub, ut] = torch.arange(len(ub), device=mask_all.device)
+        teacher_p, teacher_at = teacher_rows(drafter, lm_head_weight, batch, mask_all)
     total = torch.zeros((), device=mask_all.device)
     losses, accs = [], []
     for step, hidden, rows in unroll(drafter, embed, batch, length, logits=False):
