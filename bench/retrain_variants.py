@@ -53,8 +53,9 @@ SEEDS = {"before": 11, "after": 13}  # the demo comparison's prompt draws (tide/
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """"name:key=value,key=value" -> (name, {key: bool, int or float}); "name:" = the home's settings.
-    Raises ValueError naming what is wrong (no name, an unknown ``train.*`` key, a value that is no number)."""
+    """"name:key=value,key=value" -> (name, {key: bool, int, float or text}); "name:" = the home's
+    settings. Raises ValueError naming what is wrong (no name, an unknown ``train.*`` key); values are
+    checked against the config's rules by the caller (a text where a number belongs is refused there)."""
     name, sep, rest = text.partition(":")
     if not name or not sep:
         raise ValueError(f"{text!r}: expected name:key=value,... (name: alone = the home's settings)")
@@ -71,7 +72,12 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def _value(text: str):
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
-    return int(text) if text.lstrip("-").isdigit() else float(text)
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text  # e.g. train.precision=auto
 
 
 def first_retrain_until(cfg) -> float:
