@@ -9,6 +9,7 @@ import struct
 import time
 
 import numpy as np
+import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
@@ -140,10 +141,12 @@ def test_replay_of_offsets_already_in_the_table_writes_nothing_twice(memory_brok
     assert DatasetTable(data_dir).version() == version  # the replay committed nothing to the table
 
 
-def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_broker, topic_name,
-                                                                       tmp_path, capture_kit, wait):
+@pytest.mark.parametrize("same_group", [True, False], ids=["same-group", "new-group"])
+def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_broker, topic_name, tmp_path,
+                                                                       capture_kit, wait, same_group):
     """An in-memory broker restart (or a deleted topic) starts offsets at 0 again while the
-    dataset keeps its files: new messages at old offsets must be written, old files kept."""
+    dataset keeps its files: new messages at old offsets must be written, old files kept. The
+    same group (a restarted ingest) too: its table transaction records the old topic's offsets."""
     from kafka import KafkaAdminClient
 
     bs = memory_broker.bootstrap_servers
@@ -168,7 +171,7 @@ def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_bro
     admin.close()
     wait(lambda: _recreate(first, kafka), 30, what="topic recreated")
     produce("new")
-    second, _ = _config(bs, topic_name, topic_name + ".two")
+    second = first if same_group else _config(bs, topic_name, topic_name + ".two")[0]
     with capture_kit.IngestThread(second, kafka, data_dir):
         wait(lambda: _rows(data_dir) >= 24, 30, what="second topic")
     assert old_files <= {f.path for f in DatasetTable(data_dir).data_files()}  # nothing replaced

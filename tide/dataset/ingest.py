@@ -177,8 +177,9 @@ class Ingestor:
             if recorded is not None and self._topic_recreated(tp, recorded):
                 log.warning("ingest: %s ends before offset %d the table records for it and the group has no "
                             "committed offset: the topic was recreated; reading it from the start", tp, recorded)
-                recorded = None
-            state = self._parts[tp] = PartitionState.after(recorded)
+                state = self._parts[tp] = PartitionState.recreated(recorded)
+            else:
+                state = self._parts[tp] = PartitionState.after(recorded)
         return state
 
     def _topic_recreated(self, tp: Any, recorded: int) -> bool:
@@ -277,11 +278,11 @@ class Ingestor:
         if state is None or state.first_offset < 0:
             return
         batch = Batch(list(state.files.values()), app_id(self.config.group_id, tp.topic, tp.partition),
-                      state.first_offset, state.last_offset, state.dead_letters)
+                      state.first_offset, state.last_offset, state.dead_letters, state.recorded_before())
         self._seals.append(Seal(tp, state.first_offset, state.last_offset + 1, self._writer.seal(batch),
                                 time.monotonic()))
         state.files, state.first_offset, state.rows, state.nbytes = {}, -1, 0, 0
-        state.dead_letters = []
+        state.dead_letters, state.follows = [], None
 
     def _settle_seals(self, wait: bool) -> None:
         """Commit completed seals in order; rewind the partition of a failed one and back off."""

@@ -75,7 +75,7 @@ def migrate(old_dir: str | Path, table: DatasetTable) -> dict:
         for out in outs:
             add_counts_all(counts, out.counts)
         try:
-            table.append([o.add for o in outs], counts, app_id=f"tide-migrate/{rel}", first_offset=0, last_offset=0)
+            table.append([o.add for o in outs], counts, app_id=f"tide-migrate/{rel}", last_offset=0)
         except Stale:  # migrated by an earlier run: its copies stay orphans for VACUUM
             skipped += 1
             continue

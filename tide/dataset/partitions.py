@@ -4,6 +4,8 @@
 offset range, its dead letters, and ``skip_through``: the last offset the table already records
 for this partition (its application transaction) when the partition was (re)assigned; messages
 up to it are in the table and are skipped, so a replay after a crash writes nothing twice.
+A recreated topic (offsets from 0 again) instead records ``follows``: the earlier incarnation's
+offset, which its first batch's commit replaces in the table's transaction.
 It also watches the stream's offsets: the capture topic has no transactions or compaction, so
 every offset holds a record and a fetch that skips some is fetched again once (``gap``).
 ``Seal``: a batch handed to the writer thread, committed to Kafka once the table holds it.
@@ -43,12 +45,23 @@ class PartitionState:
     dead_letters: list = field(default_factory=list)  # send futures of this batch's dead letters
     expected: int = -1  # the next offset the partition's stream should yield (-1: not known yet)
     refetched_from: int = -1  # a gap at this offset was fetched again once
+    follows: int | None = None  # recreated topic: the old offset the next commit replaces (once)
 
     @classmethod
     def after(cls, recorded: int | None) -> "PartitionState":
         """A partition whose offsets up to ``recorded`` are in the table (None: none recorded): the
         next one is what its stream must yield (``gap``)."""
         return cls() if recorded is None else cls(skip_through=recorded, expected=recorded + 1)
+
+    @classmethod
+    def recreated(cls, recorded: int) -> "PartitionState":
+        """A partition whose topic was recreated: the table records ``recorded`` from the old topic,
+        which means nothing for the new one's offsets (read from the start)."""
+        return cls(follows=recorded)
+
+    def recorded_before(self) -> int:
+        """The offset the table must record for this partition when the open batch commits."""
+        return self.first_offset - 1 if self.follows is None else self.follows
 
     def note(self, offset: int, now_s: float) -> None:
         if self.first_offset < 0:

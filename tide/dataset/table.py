@@ -121,11 +121,12 @@ class DatasetTable:
         return self.writable().transaction_version(app_id)
 
     def append(self, adds: list, counts: dict[str, dict[str, int]] | None = None,
-               app_id: str | None = None, first_offset: int = 0, last_offset: int = 0,
+               app_id: str | None = None, recorded_before: int = -1, last_offset: int = 0,
                metadata: dict[str, str] | None = None) -> int:
         """Commit ``adds`` (AddActions of files already written); returns the new version.
-        With ``app_id``: Stale unless ``first_offset`` follows the app's recorded offset (any
-        offset when none is recorded): an app's offsets reach the table in order, without holes."""
+        With ``app_id``: Stale unless the app's recorded offset is ``recorded_before`` (the batch's
+        first offset - 1; any when none is recorded): an app's offsets reach the table in order,
+        without holes, and a recreated topic's first batch replaces the old topic's offset."""
         from deltalake import CommitProperties, Transaction
         from deltalake.exceptions import CommitFailedError
 
@@ -135,7 +136,7 @@ class DatasetTable:
             dt = self.writable()
             if app_id is not None:
                 done = dt.transaction_version(app_id)
-                if done is not None and done != first_offset - 1:
+                if done is not None and done != recorded_before:
                     raise Stale(app_id, done)
             try:
                 dt.create_write_transaction(adds, "append", TABLE_SCHEMA, partition_by=list(PARTITION_COLUMNS),

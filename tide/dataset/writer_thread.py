@@ -51,6 +51,7 @@ class Batch:
     first_offset: int
     last_offset: int
     dead_letters: list
+    recorded_before: int  # the app's offset the table must hold first (PartitionState.recorded_before)
 
 
 class WriterThread:
@@ -126,7 +127,7 @@ class WriterThread:
         for out in kept:
             add_counts_all(counts, out.counts)
         try:
-            version = self.table.append([o.add for o in kept], counts, batch.app_id, batch.first_offset,
+            version = self.table.append([o.add for o in kept], counts, batch.app_id, batch.recorded_before,
                                         batch.last_offset)
         except Stale as stale:
             for data_file in batch.files:

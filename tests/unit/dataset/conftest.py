@@ -36,7 +36,7 @@ def write_file(uri, records, topic="t", partition=0, first_offset=0, row_group_r
             writer.add(Row(chunk, topic, partition, offset, 0, rec.finished_at_s))
             offset += 1
     out = writer.finish()
-    version = table.append([out.add], out.counts, app_id, first_offset, offset - 1)
+    version = table.append([out.add], out.counts, app_id, first_offset - 1, offset - 1)
     return out, version
 
 

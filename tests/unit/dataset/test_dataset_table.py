@@ -5,7 +5,10 @@ import sys
 
 import pytest
 
+from tide.dataset.location import Location
+from tide.dataset.schema import Row, partition_values
 from tide.dataset.table import DatasetTable, Stale
+from tide.dataset.writer import DataFileWriter
 
 T0 = 1_700_000_000.0
 
@@ -50,7 +53,7 @@ def test_an_app_transaction_never_commits_offsets_twice(tmp_path, helpers):
     assert table.app_version("g/t/0") == 0 and table.app_version("g/t/1") is None
     out, _ = helpers.write_file(tmp_path, [helpers.make_record("b")], first_offset=1, app_id="g/t/0")
     with pytest.raises(Stale) as stale:  # a replica that lost the partition tries offsets 1..1 again
-        table.append([out.add], out.counts, "g/t/0", 1, 1)
+        table.append([out.add], out.counts, "g/t/0", 0, 1)
     assert stale.value.version == 1 and table.summary()["rows"] == 2
 
 
@@ -66,6 +69,26 @@ def test_an_app_transaction_never_leaves_a_hole(tmp_path, helpers):
     helpers.write_file(tmp_path, [helpers.make_record(f"b{i}") for i in range(4)], first_offset=1, app_id="g/t/0")
     helpers.write_file(tmp_path, [helpers.make_record("c")], first_offset=5, app_id="g/t/0")  # now it follows
     assert table.app_version("g/t/0") == 5 and table.summary()["rows"] == 6
+
+
+def test_a_recreated_topics_first_batch_replaces_the_old_offset_once(tmp_path, helpers):
+    """A recreated topic starts at offset 0 below the offset the table records from the old one:
+    its first batch names the old offset it replaces, and only that (a second replica's copy of it,
+    or a zombie's, is refused once the new offsets are recorded)."""
+    helpers.write_file(tmp_path, [helpers.make_record(f"old{i}") for i in range(12)], first_offset=0, app_id="g/t/0")
+    table = DatasetTable(tmp_path)
+    assert table.app_version("g/t/0") == 11
+    new = DataFileWriter(Location.from_uri(tmp_path), partition_values(T0), 2, 1 << 30)
+    for offset in range(3):
+        new.add(Row(helpers.make_record(f"new{offset}"), "t", 0, offset, 0, T0))
+    out = new.finish()
+    with pytest.raises(Stale):  # offset 0 does not follow 11: not without naming the offset it replaces
+        table.append([out.add], out.counts, "g/t/0", -1, 2)
+    table.append([out.add], out.counts, "g/t/0", 11, 2)  # new offsets 0..2 replace 11
+    assert table.app_version("g/t/0") == 2
+    with pytest.raises(Stale) as stale:  # the same batch again, by a replica that still read 11
+        table.append([out.add], out.counts, "g/t/0", 11, 2)
+    assert stale.value.version == 2
 
 
 def test_second_process_sees_committed_versions(tmp_path, helpers):
