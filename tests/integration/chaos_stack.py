@@ -65,7 +65,9 @@ def overrides(target: Path, static: Path, min_new_tokens: int, cooldown_s: float
         "ingest": {"roll_interval_s": 1.0, "session_timeout_ms": 6000, "heartbeat_interval_ms": 2000},
         "schedule": {"interval_s": 2, "min_new_samples": min_new_tokens, "sample_unit": "tokens",
                      "cooldown_s": cooldown_s, "backoff_base_s": 5, "backoff_max_s": 20, "job_timeout_s": 300},
-        "train": {"epochs": 1, "batch_tokens": 1024, "max_seq_len": 128, "ttt_length": 2, "window_samples": 48,
+        # passes enough to train for seconds: the scheduler's fault kills the owner while a retrain trains,
+        # and one pass over this window ends (and auto-promotes) in less time than noticing it started
+        "train": {"epochs": 30, "batch_tokens": 1024, "max_seq_len": 128, "ttt_length": 2, "window_samples": 48,
                   "replay_ratio": 0.25, "heldout_fraction": 0.2, "min_samples": 8, "max_train_s": 10,
                   "max_train_tokens": 4000},
         # every retrain's challenger is promoted (margin -1): faults, not drafter quality, are tested; the

@@ -19,6 +19,9 @@ def main(case: str, out: str) -> None:
     if ranks.is_main:
         torch.save({"state": drafter.state_dict(), "loss_curve": result.loss_curve,
                     "tokens_seen": result.tokens_seen, "steps": result.steps}, out)
+    # leave together: a rank tearing gloo down while its peer still writes its result was seen to
+    # abort ("terminate called without an active exception") on a loaded machine
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
