@@ -1,6 +1,6 @@
 """Phase 2's stop rule of ``tide demo`` (``LoopWatch``), and the two readings of the running stack
 it follows: the drafter version the engine serves (``serving_version``) and how many retrains the
-scheduler has finished (``retrains_finished``). tide/demo.py runs the phases and writes the report.
+scheduler has launched and finished (``retrain_counts``). tide/demo.py runs the phases and writes the report.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 
 from tide import prometheus
 from tide.comparison import say
-from tide.metrics import SCHED_RETRAINS_FINISHED
+from tide.metrics import SCHED_RETRAINS_FINISHED, SCHED_RETRAINS_LAUNCHED
 from tide.stack import Stack
 from tide.traffic import AcceptanceSampler, loop_status, metric_value, scrape
 
@@ -21,8 +21,14 @@ def serving_version(engine_url: str) -> str:
     return httpx.get(f"{engine_url}/health", timeout=5).json().get("drafter_version", "?")
 
 
+def retrain_counts(stack: Stack) -> tuple[float, float]:
+    """(launched, finished) retrains, as the scheduler counts them."""
+    text = scrape(stack.endpoints["scheduler metrics"])
+    return metric_value(text, SCHED_RETRAINS_LAUNCHED) or 0.0, metric_value(text, SCHED_RETRAINS_FINISHED) or 0.0
+
+
 def retrains_finished(stack: Stack) -> float:
-    return metric_value(scrape(stack.endpoints["scheduler metrics"]), SCHED_RETRAINS_FINISHED) or 0.0
+    return retrain_counts(stack)[1]
 
 
 class WatchBounds(Protocol):
@@ -65,7 +71,11 @@ class LoopWatch:
         self.swaps: list[tuple[float, str]] = []
         self.t_swap: float | None = None
         self.t_first_swap: float | None = None
-        self.finished_at_first_swap = 0.0  # retrains finished when the first swap came
+        # retrains launched when the first swap came: the swap is the retrain's own auto-promotion,
+        # seen before the scheduler reaps that job and counts it finished, so a count of finished
+        # ones taken then misses it; retrains run one at a time, so the final one (launched after
+        # the swap) has finished once more have finished than had been launched by then
+        self.launched_at_first_swap = 0.0
         self.final_note: str | None = None  # how the wait for the final drafter ended
         self.t_closed: float | None = None
         self.served_after = 0
@@ -87,7 +97,7 @@ class LoopWatch:
                 say(f"engine now serves drafter {version}")
                 self.version, self.t_swap, self.served_after = version, time.monotonic(), 0
                 if self.t_first_swap is None:
-                    self.t_first_swap, self.finished_at_first_swap = self.t_swap, retrains_finished(self.stack)
+                    self.t_first_swap, self.launched_at_first_swap = self.t_swap, retrain_counts(self.stack)[0]
             if version != self.static_version:
                 self.served_after += 1
         return version
@@ -142,7 +152,7 @@ class LoopWatch:
         if len(self.swaps) > 1:
             self.final_note = f"the retrain after the first swap swapped in drafter {self.version}"
             return True
-        if retrains_finished(self.stack) <= self.finished_at_first_swap:
+        if retrains_finished(self.stack) <= self.launched_at_first_swap:
             return False
         self._finished_at = self._finished_at or now
         if now - self._finished_at > self.settings.not_promoted_grace_s:
