@@ -89,14 +89,16 @@ class DemoSettings:
     # the scheduler detects the shift from the captured workload mix; its first retrain launches
     # at shift_min_tokens new tokens (the chat before the shift counts too) and trains briefly
     # (shift_train: train.* overrides) on what came since the shift, the chat replayed beside it.
-    # In a minute of training the optimizer steps decide, so it takes shorter TTT chains on smaller
-    # batches (more steps in the same time) and keeps more of its change than the default
-    # (bench/retrain_variants.py; docs/benchmarks.md, "Retrain settings on a demo window")
+    # In its minute or two of training the optimizer steps decide, so it takes shorter TTT chains on
+    # smaller batches (more steps in the same time), twice the passes over its small window, and
+    # keeps more of its change than the default (bench/retrain_variants.py; docs/benchmarks.md,
+    # "Retrain settings on a demo window"); its cap bounds the first swap, not the passes
+    # (the swap must come within 3 minutes of the shift)
     shift_min_tokens: int = 10_000
     shift_recent_tokens: int = 2000  # the newest captured tokens whose mix is compared with those before
     shift_reference_tokens: int = 4000
     shift_train: dict = dataclasses.field(default_factory=lambda: {
-        "max_train_s": "60", "ttt_length": "2", "batch_tokens": "512", "update_fraction": "0.8"})
+        "max_train_s": "100", "epochs": "16", "ttt_length": "2", "batch_tokens": "512", "update_fraction": "0.8"})
     # the first swap -> the full-threshold retrain after it has swapped in (or was refused) and its
     # drafter has shown the evidence above; 0: the loop closes on the first swap
     final_timeout_s: float = 20 * 60
