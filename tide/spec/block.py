@@ -25,7 +25,7 @@ def block_draft(drafter: BlockDrafter, embed: torch.Tensor, cache: KVCache, rows
                 planner: Planner | None = None, head: Confidence | None = None, n_siblings: int = 0) -> Drafts:
     """``gamma`` target-vocab drafts per row (``head`` is ignored: the trial kind has none)."""
     bsz = len(rows)
-    tokens, aux, positions, last = feed_tensors(rows)
+    tokens, aux, positions, last = feed_tensors(rows, cache.max_len - 1)
     slots = torch.tensor([r.slot for r in rows])
     first = torch.tensor([r.drafter_first_pos for r in rows]) if any(r.drafter_first_pos for r in rows) else None
     d2t_ids = drafter.draft_to_target

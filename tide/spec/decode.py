@@ -134,8 +134,9 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return probs
 
 
-def feed_tensors(rows: list[RowInput]):
-    """The rows' drafter feeds padded to the longest: (tokens, aux, positions, index of each row's last)."""
+def feed_tensors(rows: list[RowInput], max_pos: int):
+    """The rows' drafter feeds padded to the longest: (tokens, aux, positions, index of each row's last).
+    ``max_pos``: the drafter cache's last position, where a row's padding stops."""
     bsz, m = len(rows), max(r.feed_tokens.numel() for r in rows)
     tokens = torch.zeros(bsz, m, dtype=torch.long)
     aux = torch.zeros(bsz, m, rows[0].feed_aux.shape[-1], dtype=rows[0].feed_aux.dtype)
@@ -145,8 +146,10 @@ def feed_tensors(rows: list[RowInput]):
         n = r.feed_tokens.numel()
         tokens[b, :n] = r.feed_tokens
         aux[b, :n] = r.feed_aux
-        # padding continues the row's positions; never attended by real queries (causal)
-        positions[b] = r.feed_start + torch.arange(m)
+        # padding continues the row's positions, never attended by real queries (causal); a row near
+        # the end of its context beside a long feed (a new prompt) would run past the cache: its
+        # padding piles up on the cache's last position, beyond any real or drafted token
+        positions[b] = (r.feed_start + torch.arange(m)).clamp(max=max_pos)
         last[b] = n - 1
     return tokens, aux, positions, last
 
@@ -158,7 +161,7 @@ def draft(drafter: Eagle3Drafter, embed: torch.Tensor, cache: KVCache, rows: lis
     the drafts carry (None: none). With ``n_siblings`` > 0 each row's ``n_siblings`` next-best
     depth-1 tokens come too."""
     bsz = len(rows)
-    tokens, aux, positions, last = feed_tensors(rows)
+    tokens, aux, positions, last = feed_tensors(rows, cache.max_len - 1)
     slots = torch.tensor([r.slot for r in rows])
     first = torch.tensor([r.drafter_first_pos for r in rows]) if any(r.drafter_first_pos for r in rows) else None
     d2t_ids = drafter.draft_to_target

@@ -236,3 +236,30 @@ def test_rejection_sampling_keeps_the_target_distribution_at_depth_2_and_3():
     three = two @ P
     for row, want in zip(seen, (two, three)):
         assert chisquare(row.numpy(), (want * n).numpy()).pvalue > 1e-3, (row, want * n)
+
+
+def test_a_row_near_its_context_end_drafts_beside_a_new_prompts_feed(tiny_target, tiny_drafter):
+    """A row one token from its drafter feed's end, batched with a new request's whole prompt feed:
+    its padding to the long feed stays inside the drafter cache, and each row drafts what it drafts
+    alone (the padding ran past the cache and failed every such drafted step)."""
+    import copy
+
+    from tide.spec.decode import RowInput, draft
+
+    max_len, vocab, embed = 64, tiny_target.shape.vocab_size, tiny_target.embed_weight
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (56, 30)]
+    tcache, rows = tiny_target.new_cache(2, max_len), []
+    for slot, prompt in enumerate(prompts):
+        pre = tiny_target.forward(torch.tensor([prompt]), torch.tensor([0]), tcache, torch.tensor([slot]))
+        nxt = int(pre.logits[0, -1].argmax())
+        rows.append(RowInput(slot=slot, t_len=len(prompt), pending=nxt, feed_start=0,
+                             feed_tokens=torch.tensor(prompt[1:] + [nxt]), feed_aux=pre.aux_hidden[0]))
+    dcache = tiny_drafter.new_cache(2, max_len)
+    head, last = rows[0], len(prompts[0]) - 1  # row 0's feed up to its last position, then that one alone
+    draft(tiny_drafter, embed, dcache, [RowInput(0, last, int(head.feed_tokens[-2]), 0, head.feed_tokens[:-1],
+                                                 head.feed_aux[:-1])], 1)
+    near_end = RowInput(0, head.t_len, head.pending, last, head.feed_tokens[-1:], head.feed_aux[-1:])
+    alone = [draft(tiny_drafter, embed, copy.deepcopy(dcache), [row], 3).tokens for row in (near_end, rows[1])]
+    together = draft(tiny_drafter, embed, dcache, [near_end, rows[1]], 3).tokens
+    assert together.tolist() == [alone[0][0].tolist(), alone[1][0].tolist()]
