@@ -211,7 +211,8 @@ def _run_loop(stack: Stack, home: Path, report_dir: Path, settings: DemoSettings
                 printed[id(res)] = sent = res.sent
             live = sampler.recent(version)
             accept = f"{live:.2f} tokens/forward" if live is not None else "-"
-            say(f"  {sent} requests, {res.failed} failed | drafter {version}: {accept} (last 30 s) | "
+            refused = f", {res.rejected} refused as bad input" if res.rejected else ""
+            say(f"  {sent} requests, {res.failed} failed{refused} | drafter {version}: {accept} (last 30 s) | "
                  + loop_status(stack.endpoints["ingest metrics"], stack.endpoints["scheduler metrics"]))
 
         say(f"phase 1: {settings.before_requests} '{names[0]}' requests (drafter {static_version})")
@@ -310,8 +311,8 @@ def _speculation(stack: Stack, t0_unix: float) -> dict:
 
 
 def _traffic(r: TrafficResult) -> dict:
-    return {"sent": r.sent, "ok": r.ok, "failed": r.failed, "completion_tokens": r.completion_tokens,
-            "errors": r.errors[:5]}
+    return {"sent": r.sent, "ok": r.ok, "failed": r.failed, "rejected": r.rejected,
+            "completion_tokens": r.completion_tokens, "errors": r.errors[:5]}
 
 
 def _live(sampler: AcceptanceSampler, static_version: str, adapted: str) -> dict:

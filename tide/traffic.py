@@ -21,6 +21,10 @@ import httpx
 from tide.metrics_text import Families, MetricsTextError, by_label, parse
 from tide.workloads import Prompt
 
+# answers that refuse the prompt itself (over the engine's prompt or body limits, malformed): the
+# engine working as it should on input it cannot serve, counted apart from failures
+REFUSED_INPUT = (400, 413, 422)
+
 
 @dataclass
 class TrafficResult:
@@ -28,6 +32,7 @@ class TrafficResult:
     ok: int = 0
     failed: int = 0
     completion_tokens: int = 0
+    rejected: int = 0  # prompts the engine refused as bad input (REFUSED_INPUT), with its reason in errors
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -51,12 +56,14 @@ def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_token
             ok = resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
             tokens = resp.json()["usage"]["completion_tokens"] if ok else 0
             err = None if ok else f"{resp.status_code}: {resp.text[:200]}"
+            refused = resp.status_code in REFUSED_INPUT
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            ok, tokens, err = False, 0, repr(exc)
+            ok, tokens, err, refused = False, 0, repr(exc), False
         with result.lock:
             result.sent += 1
             result.ok += ok
-            result.failed += not ok
+            result.rejected += refused
+            result.failed += not ok and not refused
             result.completion_tokens += tokens
             if err:
                 result.errors.append(err)

@@ -62,9 +62,9 @@ def chat_url():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
-        def _send(self, body: dict) -> None:
+        def _send(self, body: dict, status: int = 200) -> None:
             data = json.dumps(body).encode()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -74,7 +74,11 @@ def chat_url():
             self._send({"status": "ok", "target_model": "m"})
 
         def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if body["messages"][0]["content"] == "too long":  # as the engine refuses a prompt over its limit
+                return self._send({"error": {"message": "prompt has 900 tokens; the limit is 768"}}, 400)
+            if body["messages"][0]["content"] == "crash":
+                return self._send({"error": {"message": "internal error"}}, 500)
             self._send({"choices": [{"finish_reason": "length"}], "usage": {"completion_tokens": 3}})
 
         def log_message(self, *_):
@@ -113,6 +117,17 @@ def test_replay_of_a_finite_list_sends_each_prompt_once(chat_url):
 
     res = replay(chat_url, list(itertools.islice(_prompts(), 7)), concurrency=3, max_tokens=3)
     assert (res.sent, res.ok) == (7, 7)
+
+
+def test_a_prompt_refused_as_bad_input_is_counted_apart_from_failures(chat_url):
+    from tide.traffic import replay
+    from tide.workloads import Prompt
+
+    prompts = [Prompt(id=str(i), workload="chat", messages=[{"role": "user", "content": text}])
+               for i, text in enumerate(["q0", "too long", "q2", "crash"])]
+    res = replay(chat_url, prompts, concurrency=2, max_tokens=3)
+    assert (res.sent, res.ok, res.rejected, res.failed) == (4, 2, 1, 1)
+    assert sorted(e[:3] for e in res.errors) == ["400", "500"]
 
 
 def test_replay_passes_a_callback_error_to_the_caller(chat_url):
