@@ -117,8 +117,9 @@ class WorkloadMix:
         found = max(((distance(self.shares, mix_of(ref)), ref) for ref in (reference, seen)
                      if sum(r[2] for r in ref) >= enough), key=lambda x: x[0], default=None)
         if found is None or found[0] < self.min_distance:
-            if found is not None:
-                self._seen = recent + reference
+            # remembered even when too few to compare yet: a short warm-up and a commit holding more
+            # new rows than both mixes would otherwise leave the new ones nothing to compare with
+            self._seen = recent + reference
             return None
         gap, reference = found
         self._seen = []  # after a shift, only what came since it is read

@@ -71,6 +71,19 @@ def test_a_commit_holding_more_new_rows_than_both_mixes_is_still_a_shift(kit):
     assert found is not None and found.workloads == ("code",) and found.since_s == first_code, found
 
 
+def test_a_first_look_with_too_little_to_compare_still_counts_as_before(kit):
+    """The first look saw the recent tokens but fewer than a reference's worth before them (a short
+    warm-up of chat); the next commit brings more new rows than both mixes at once: the rows of that
+    first look are what came before."""
+    mix = WorkloadMix(kit.table, recent_tokens=500, reference_tokens=1000, min_distance=0.5)
+    t = write_requests(kit.table, ["chat"] * 18, T0, seed=1)  # 900 tokens: 500 recent, 400 before
+    assert mix.check(None) is None
+    first_code = t
+    write_requests(kit.table, ["code"] * 60, t, seed=2)
+    found = mix.check(None)
+    assert found is not None and found.workloads == ("code",) and found.since_s == first_code, found
+
+
 def test_a_steady_mixture_is_no_shift(kit):
     mix = WorkloadMix(kit.table, recent_tokens=500, reference_tokens=2000, min_distance=0.5)
     t = T0
