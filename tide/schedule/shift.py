@@ -5,7 +5,9 @@
    time, workload, tokens) are read once and cached while they stay among the newest. The newest
    ``shift_recent_tokens`` tokens are compared with up to ``shift_reference_tokens`` before them
    (at least as many as the recent ones; rows the last look saw count too, so a commit holding
-   more new rows than both is still compared with what came before it): a total-variation distance
+   more new rows than both is still compared with what came before it; failing those, every older
+   part of the rows read, so a first commit holding the warm-up and the new traffic is one too): a
+   total-variation distance
    of ``shift_mix_distance`` or more is a shift, naming the workloads that grew and where their
    traffic began (the change point). Requests without a tag count as ``untagged``.
 2. **Acceptance drop** (the engines' ``/metrics``, ``schedule.shift_metrics_urls``,
@@ -77,6 +79,17 @@ def split_newest(rows: list[Row], recent_tokens: int,
     return recent, reference
 
 
+def suffixes(rows: list[Row], min_tokens: int) -> list[list[Row]]:
+    """The oldest parts of ``rows`` (newest first) holding ``min_tokens`` or more, growing from the
+    oldest one by one row; none when they hold fewer in all."""
+    out, tokens = [], 0
+    for i in range(len(rows) - 1, -1, -1):
+        tokens += rows[i][2]
+        if tokens >= min_tokens:
+            out.append(rows[i:])
+    return out
+
+
 def change_point(rows: list[Row], grown: set[str]) -> float:
     """Capture time where the grown workloads' traffic began (``rows`` newest first): where the
     cumulative excess of their tokens over their average share peaks (CUSUM)."""
@@ -114,8 +127,10 @@ class WorkloadMix:
         # (a commit may hold more new rows than both mixes)
         oldest = min(r[0] for r in recent)
         seen = [r for r in self._seen if r[0] < oldest and (after_s is None or r[0] >= after_s)]
-        found = max(((distance(self.shares, mix_of(ref)), ref) for ref in (reference, seen)
-                     if sum(r[2] for r in ref) >= enough), key=lambda x: x[0], default=None)
+        found = self._farthest((reference, seen), enough)
+        if found is None or found[0] < self.min_distance:  # then the older parts of what was read: a fast
+            # stack's first commit can hold the whole warm-up and more new rows than both mixes
+            found = self._farthest([reference, seen, *suffixes(rows[len(recent):], enough)], enough)
         if found is None or found[0] < self.min_distance:
             # remembered even when too few to compare yet: a short warm-up and a commit holding more
             # new rows than both mixes would otherwise leave the new ones nothing to compare with
@@ -130,6 +145,11 @@ class WorkloadMix:
                   f"(mix distance {gap:.2f} from the {sum(r[2] for r in reference)} before)")
         newest_first = sorted({*rows, *reference}, key=lambda r: r[0], reverse=True)
         return Detection(MIX, detail, tuple(grown), change_point(newest_first, set(grown)))
+
+    def _farthest(self, references, enough: int) -> tuple[float, list] | None:
+        """(distance, rows) of the reference holding ``enough`` tokens whose mix is farthest from the newest."""
+        return max(((distance(self.shares, mix_of(ref)), ref) for ref in references
+                    if sum(r[2] for r in ref) >= enough), key=lambda x: x[0], default=None)
 
     def _newest_rows(self, after_s: float | None) -> list[Row]:
         """Rows captured at or after ``after_s``, newest first, enough for both mixes (files read

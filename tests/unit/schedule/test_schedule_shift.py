@@ -84,6 +84,14 @@ def test_a_first_look_with_too_little_to_compare_still_counts_as_before(kit):
     assert found is not None and found.workloads == ("code",) and found.since_s == first_code, found
 
 
+def test_a_first_commit_holding_the_warm_up_and_more_new_rows_than_both_mixes_is_a_shift(kit):
+    """A fast stack's first commit: the whole chat warm-up and more code than both mixes, one look."""
+    mix = WorkloadMix(kit.table, recent_tokens=500, reference_tokens=1000, min_distance=0.5)
+    t = write_requests(kit.table, ["chat"] * 24 + ["code"] * 30, T0, seed=1)
+    found = mix.check(None)
+    assert found is not None and found.workloads == ("code",) and found.since_s == t - 30, found
+
+
 def test_a_steady_mixture_is_no_shift(kit):
     mix = WorkloadMix(kit.table, recent_tokens=500, reference_tokens=2000, min_distance=0.5)
     t = T0
