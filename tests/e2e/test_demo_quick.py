@@ -98,7 +98,9 @@ def test_quick_demo_closes_the_loop(tmp_path, chromium_dom):
     assert shift["retrain_state"] == "succeeded", shift
     assert shift["retrain_version"] is None or int(shift["retrain_version"]) <= int(summary["first_version"]), shift
     (shift_job,) = [r for r in summary["retrains"] if r["shift"]]
-    assert shift_job["launched_after_shift_s"] > 0 and shift_job["cpu_s"] > 0, summary["retrains"]
+    assert shift_job["launched_after_shift_s"] > 0, summary["retrains"]
+    # one that trained has its CPU measured (one with no held-out request ends before training)
+    assert shift["retrain_version"] is None or shift_job["cpu_s"] > 0, summary["retrains"]
     versions = [v for v in summary["registry_versions"] if "version" in v]
     assert any(v["version"] >= 2 for v in versions), versions  # ... and registered a new version
     assert summary["swaps"], versions  # promoted by the policy and swapped in ...
