@@ -79,19 +79,15 @@ def split_newest(rows: list[Row], recent_tokens: int,
     return recent, reference
 
 
-def farthest_older(rows: list[Row], shares: dict[str, float], min_tokens: int) -> tuple[float, list] | None:
-    """(distance from ``shares``, rows) of the oldest part of ``rows`` (newest first) holding
-    ``min_tokens`` or more whose mix is farthest from ``shares``; one pass from the oldest row."""
-    best, tokens, by_workload = None, 0, {}
+def suffixes(rows: list[Row], min_tokens: int) -> list[list[Row]]:
+    """The oldest parts of ``rows`` (newest first) holding ``min_tokens`` or more, growing from the
+    oldest one by one row; none when they hold fewer in all."""
+    out, tokens = [], 0
     for i in range(len(rows) - 1, -1, -1):
-        _, workload, n, _ = rows[i]
-        tokens += n
-        by_workload[workload] = by_workload.get(workload, 0) + n
+        tokens += rows[i][2]
         if tokens >= min_tokens:
-            gap = distance(shares, {w: c / tokens for w, c in by_workload.items()})
-            if best is None or gap > best[0]:
-                best = (gap, i)
-    return None if best is None else (best[0], rows[best[1]:])
+            out.append(rows[i:])
+    return out
 
 
 def change_point(rows: list[Row], grown: set[str]) -> float:
@@ -131,12 +127,10 @@ class WorkloadMix:
         # (a commit may hold more new rows than both mixes)
         oldest = min(r[0] for r in recent)
         seen = [r for r in self._seen if r[0] < oldest and (after_s is None or r[0] >= after_s)]
-        found = max(((distance(self.shares, mix_of(ref)), ref) for ref in (reference, seen)
-                     if sum(r[2] for r in ref) >= enough), key=lambda x: x[0], default=None)
+        found = self._farthest((reference, seen), enough)
         if found is None or found[0] < self.min_distance:  # then the older parts of what was read: a fast
             # stack's first commit can hold the whole warm-up and more new rows than both mixes
-            older = farthest_older(rows[len(recent):], self.shares, enough)
-            found = older if older is not None and (found is None or older[0] > found[0]) else found
+            found = self._farthest([reference, seen, *suffixes(rows[len(recent):], enough)], enough)
         if found is None or found[0] < self.min_distance:
             # remembered even when too few to compare yet: a short warm-up and a commit holding more
             # new rows than both mixes would otherwise leave the new ones nothing to compare with
@@ -151,6 +145,11 @@ class WorkloadMix:
                   f"(mix distance {gap:.2f} from the {sum(r[2] for r in reference)} before)")
         newest_first = sorted({*rows, *reference}, key=lambda r: r[0], reverse=True)
         return Detection(MIX, detail, tuple(grown), change_point(newest_first, set(grown)))
+
+    def _farthest(self, references, enough: int) -> tuple[float, list] | None:
+        """(distance, rows) of the reference holding ``enough`` tokens whose mix is farthest from the newest."""
+        return max(((distance(self.shares, mix_of(ref)), ref) for ref in references
+                    if sum(r[2] for r in ref) >= enough), key=lambda x: x[0], default=None)
 
     def _newest_rows(self, after_s: float | None) -> list[Row]:
         """Rows captured at or after ``after_s``, newest first, enough for both mixes (files read
