@@ -3,13 +3,13 @@
 1. **Workload mix** (the dataset table, ``WorkloadMix``): tokens by ``workload`` tag of the newest
    captured rows. The log says which files are newest; each file's three small columns (capture
    time, workload, tokens) are read once and cached while they stay among the newest. The newest
-   ``shift_recent_tokens`` tokens are compared with up to ``shift_reference_tokens`` before them
-   (at least as many as the recent ones; rows the last look saw count too, so a commit holding
-   more new rows than both is still compared with what came before it; failing those, every older
-   part of the rows read, so a first commit holding the warm-up and the new traffic is one too): a
-   total-variation distance
-   of ``shift_mix_distance`` or more is a shift, naming the workloads that grew and where their
-   traffic began (the change point). Requests without a tag count as ``untagged``.
+   ``shift_recent_tokens`` tokens are compared with three references of up to
+   ``shift_reference_tokens`` (each holding at least as many as the recent ones): the rows just
+   before them, the newest rows the last look had already read (a commit may hold more new rows
+   than both mixes) and the oldest rows read (a first look reads back further: a fast stack's first
+   commit can hold the warm-up and more new traffic than both mixes). A total-variation distance of
+   ``shift_mix_distance`` or more from any of them is a shift, naming the workloads that grew and
+   where their traffic began (the change point). Requests without a tag count as ``untagged``.
 2. **Acceptance drop** (the engines' ``/metrics``, ``schedule.shift_metrics_urls``,
    ``AcceptanceWatch``): the serving drafter's tokens per target forward (verified rows) over the
    last ``shift_accept_window_s`` against its own reading before that; a fall by
@@ -38,6 +38,7 @@ _ROW_COLUMNS = ["finished_at_s", "workload", "num_tokens"]
 _ACCEPT = metrics.ENGINE_ACCEPT_LENGTH.describe()[0].name
 _INFO = metrics.ENGINE_DRAFTER_INFO.describe()[0].name
 _KEEP_READINGS = 2000  # acceptance readings kept per drafter reading (bounded memory)
+_FIRST_LOOK_MIXES = 20  # a first look reads back up to this many times both mixes' tokens (bounded)
 Row = tuple[float, str, int, str]  # a captured row: capture time, workload, tokens, its file and index
 
 
@@ -79,15 +80,19 @@ def split_newest(rows: list[Row], recent_tokens: int,
     return recent, reference
 
 
-def suffixes(rows: list[Row], min_tokens: int) -> list[list[Row]]:
-    """The oldest parts of ``rows`` (newest first) holding ``min_tokens`` or more, growing from the
-    oldest one by one row; none when they hold fewer in all."""
-    out, tokens = [], 0
-    for i in range(len(rows) - 1, -1, -1):
-        tokens += rows[i][2]
-        if tokens >= min_tokens:
-            out.append(rows[i:])
-    return out
+def oldest(rows: list[Row], tokens: int) -> list[Row]:
+    """The oldest rows of ``rows`` (newest first) holding ``tokens`` (all of them when they hold fewer)."""
+    out, seen = [], 0
+    for row in reversed(rows):
+        if seen >= tokens:
+            break
+        out.append(row)
+        seen += row[2]
+    return out[::-1]
+
+
+def tokens_of(rows: list[Row]) -> int:
+    return sum(r[2] for r in rows)
 
 
 def change_point(rows: list[Row], grown: set[str]) -> float:
@@ -112,69 +117,78 @@ class WorkloadMix:
         self.min_distance = min_distance
         self.shares: dict[str, float] = {}  # the newest rows' mix, as last read
         self._rows: dict[str, list[Row]] = {}  # file path -> its rows
-        self._read_at: tuple[int, float | None] | None = None  # (table version, after_s) last read
+        self._read_at: tuple | None = None  # (table version, after_s, anchor) of the last read
         self._newest: list[Row] = []
-        self._seen: list[Row] = []  # the rows of the last look that found no shift
+        self._anchor_s: float | None = None  # capture time of the newest row the last look read
+        self.need_tokens = recent_tokens + reference_tokens  # a look reads this much before its last one
 
     def check(self, after_s: float | None) -> Detection | None:
-        rows = self._newest_rows(after_s)
+        rows = self._newest_rows(after_s)  # newest first
+        anchor = self._anchor_s
+        self._anchor_s = rows[0][0] if rows else anchor
         recent, reference = split_newest(rows, self.recent_tokens, self.reference_tokens)
         self.shares = mix_of(recent)
-        enough = min(self.recent_tokens, self.reference_tokens)
-        if sum(r[2] for r in recent) < self.recent_tokens:
+        if tokens_of(recent) < self.recent_tokens:
             return None  # too little to compare yet
-        # what came before: the rows just older than the recent ones, and the rows the last look saw
-        # (a commit may hold more new rows than both mixes)
-        oldest = min(r[0] for r in recent)
-        seen = [r for r in self._seen if r[0] < oldest and (after_s is None or r[0] >= after_s)]
-        found = self._farthest((reference, seen), enough)
-        if found is None or found[0] < self.min_distance:  # then the older parts of what was read: a fast
-            # stack's first commit can hold the whole warm-up and more new rows than both mixes
-            found = self._farthest([reference, seen, *suffixes(rows[len(recent):], enough)], enough)
+        older = rows[len(recent):]
+        known = [r for r in older if anchor is not None and r[0] <= anchor]  # read by the last look too
+        enough = min(self.recent_tokens, self.reference_tokens)  # a reference's fewest tokens
+        references = (reference, split_newest(known, self.reference_tokens, 0)[0], oldest(older, enough))
+        found = max(((distance(self.shares, mix_of(ref)), ref) for ref in references if tokens_of(ref) >= enough),
+                    key=lambda x: x[0], default=None)
         if found is None or found[0] < self.min_distance:
-            # remembered even when too few to compare yet: a short warm-up and a commit holding more
-            # new rows than both mixes would otherwise leave the new ones nothing to compare with
-            self._seen = recent + reference
             return None
         gap, reference = found
-        self._seen = []  # after a shift, only what came since it is read
         new, old = self.shares, mix_of(reference)
         grown = sorted((w for w in new if new[w] > old.get(w, 0.0)), key=lambda w: old.get(w, 0.0) - new[w])
         changes = ", ".join(f"{w} {100 * old.get(w, 0.0):.0f}% -> {100 * new[w]:.0f}%" for w in grown)
-        detail = (f"{changes} of the newest {sum(r[2] for r in recent)} captured tokens "
-                  f"(mix distance {gap:.2f} from the {sum(r[2] for r in reference)} before)")
-        newest_first = sorted({*rows, *reference}, key=lambda r: r[0], reverse=True)
-        return Detection(MIX, detail, tuple(grown), change_point(newest_first, set(grown)))
-
-    def _farthest(self, references, enough: int) -> tuple[float, list] | None:
-        """(distance, rows) of the reference holding ``enough`` tokens whose mix is farthest from the newest."""
-        return max(((distance(self.shares, mix_of(ref)), ref) for ref in references
-                    if sum(r[2] for r in ref) >= enough), key=lambda x: x[0], default=None)
+        detail = (f"{changes} of the newest {tokens_of(recent)} captured tokens "
+                  f"(mix distance {gap:.2f} from the {tokens_of(reference)} before)")
+        return Detection(MIX, detail, tuple(grown), change_point(rows, set(grown)))
 
     def _newest_rows(self, after_s: float | None) -> list[Row]:
-        """Rows captured at or after ``after_s``, newest first, enough for both mixes (files read
-        newest first; only those still needed stay cached)."""
+        """Rows captured at or after ``after_s``, newest first: all since the last look's newest row
+        and both mixes' tokens before it (a first look: up to ``_FIRST_LOOK_MIXES`` times that). Files
+        are read newest first; a commit's files overlap in time (one per partition), so reading
+        stops only where no file left can hold a row the look needs. Only the files read stay cached."""
         version = self.table.version()
         if version is None:
             return []
-        if (version, after_s) == self._read_at:  # nothing committed since: the same rows
+        if (version, after_s, self._anchor_s) == self._read_at:  # nothing committed since: the same rows
             return self._newest
-        need, seen = self.recent_tokens + self.reference_tokens, 0
         rows: list[Row] = []
         kept: dict[str, list[Row]] = {}
-        for f in reversed(self.table.data_files(version)):  # newest capture last in the log's order
-            if after_s is not None and f.max_time_s < after_s:
+        for f in reversed(self.table.data_files(version)):  # sorted by newest capture
+            if (after_s is not None and f.max_time_s < after_s) or self._read_enough(rows, f.max_time_s):
                 break
             own = self._rows[f.path] if f.path in self._rows else self._read(f.path)
             kept[f.path] = own
-            fresh = [r for r in own if after_s is None or r[0] >= after_s]
-            rows += fresh
-            seen += sum(r[2] for r in fresh)
-            if seen >= need:
-                break
-        self._rows, self._read_at = kept, (version, after_s)
-        self._newest = sorted(rows, key=lambda r: r[0], reverse=True)
+            rows += [r for r in own if after_s is None or r[0] >= after_s]
+        self._rows, self._read_at = kept, (version, after_s, self._anchor_s)
+        self._newest = self._needed(sorted(rows, key=lambda r: r[0], reverse=True))
         return self._newest
+
+    def _needed(self, rows: list[Row]) -> list[Row]:
+        """Of ``rows`` (newest first), what the look needs: a whole file may reach far back (a
+        compacted one spans hours), and the oldest rows kept are a reference."""
+        kept, total, before = [], 0, 0
+        for row in rows:
+            if total >= _FIRST_LOOK_MIXES * self.need_tokens or before >= self.need_tokens:
+                break
+            kept.append(row)
+            total += row[2]
+            before += row[2] if self._anchor_s is not None and row[0] <= self._anchor_s else 0
+        return kept
+
+    def _read_enough(self, rows: list[Row], next_newest_s: float) -> bool:
+        """Whether ``rows`` hold what the look needs, the files left holding no row newer than
+        ``next_newest_s``."""
+        settled = [r for r in rows if r[0] > next_newest_s]
+        if tokens_of(settled) >= _FIRST_LOOK_MIXES * self.need_tokens:
+            return True
+        if self._anchor_s is None:
+            return False  # a first look reads back as far as it may: its oldest rows are a reference
+        return tokens_of([r for r in settled if r[0] <= self._anchor_s]) >= self.need_tokens
 
     def _read(self, path: str) -> list[Row]:
         try:
