@@ -141,20 +141,23 @@ def test_replay_of_offsets_already_in_the_table_writes_nothing_twice(memory_brok
     assert DatasetTable(data_dir).version() == version  # the replay committed nothing to the table
 
 
-@pytest.mark.parametrize("same_group", [True, False], ids=["same-group", "new-group"])
+@pytest.mark.parametrize("same_group,new_messages", [(True, 12), (False, 12), (True, 30)],
+                         ids=["same-group", "new-group", "same-group-past-the-old-offsets"])
 def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_broker, topic_name, tmp_path,
-                                                                       capture_kit, wait, same_group):
+                                                                       capture_kit, wait, same_group, new_messages):
     """An in-memory broker restart (or a deleted topic) starts offsets at 0 again while the
     dataset keeps its files: new messages at old offsets must be written, old files kept. The
-    same group (a restarted ingest) too: its table transaction records the old topic's offsets."""
+    same group (a restarted ingest) too: its table transaction records the old topic's offsets,
+    also when the new topic has grown past them before ingest reads it (its offsets are keyed by
+    the topic's id, not guessed from where the partition ends)."""
     from kafka import KafkaAdminClient
 
     bs = memory_broker.bootstrap_servers
     data_dir = tmp_path / "data"
 
-    def produce(prefix: str) -> None:
+    def produce(prefix: str, n: int = 12) -> None:
         producer = KafkaProducer(bootstrap_servers=bs, acks="all")
-        for i in range(12):
+        for i in range(n):
             producer.send(topic_name, key=b"k", value=encode(_record(f"{prefix}-{i}", 8, i)))
         producer.flush()
         producer.close()
@@ -170,13 +173,13 @@ def test_recreated_topic_reusing_offsets_is_not_mistaken_for_a_replay(memory_bro
     admin.delete_topics([topic_name])
     admin.close()
     wait(lambda: _recreate(first, kafka), 30, what="topic recreated")
-    produce("new")
+    produce("new", new_messages)
     second = first if same_group else _config(bs, topic_name, topic_name + ".two")[0]
     with capture_kit.IngestThread(second, kafka, data_dir):
-        wait(lambda: _rows(data_dir) >= 24, 30, what="second topic")
+        wait(lambda: _rows(data_dir) >= 12 + new_messages, 30, what="second topic")
     assert old_files <= {f.path for f in DatasetTable(data_dir).data_files()}  # nothing replaced
     ids = sorted(s.request_id for s in DatasetReader(data_dir).samples())
-    assert ids == sorted([f"old-{i}" for i in range(12)] + [f"new-{i}" for i in range(12)])
+    assert ids == sorted([f"old-{i}" for i in range(12)] + [f"new-{i}" for i in range(new_messages)])
 
 
 def _recreate(config: IngestConfig, kafka: KafkaConfig) -> bool:

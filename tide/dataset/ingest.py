@@ -46,11 +46,11 @@ from tide.contracts import DEAD_INVALID, DEAD_UNPROCESSABLE
 from tide.dataset.backoff import WriteBackoff
 from tide.dataset.dead_letter import DeadLetterFailed, DeadLetters
 from tide.dataset.location import Location
-from tide.dataset.partitions import PASS, PartitionState, Seal, app_id, fault_pause
+from tide.dataset.partitions import PASS, PartitionState, Seal, fault_pause, resume
 from tide.dataset.schema import Row, partition_path, partition_values
 from tide.dataset.table import DatasetTable
 from tide.dataset.tombstones import Tombstones
-from tide.dataset.topics import ensure_topics
+from tide.dataset.topics import TopicIdUnknown, ensure_topics, topic_id
 from tide.dataset.writer import DataFileWriter
 from tide.dataset.writer_thread import Batch, WriterThread
 from tide.records import RecordError, decode
@@ -70,6 +70,7 @@ class Ingestor:
         self._consumer: Any = None
         self._dead_letters: Any = None
         self._parts: dict[Any, PartitionState] = {}
+        self._topic_ids: dict[str, str | None] = {}  # topic -> its id (None: the broker gives none)
         self._seals: deque[Seal] = deque()
         self._rewind_to: dict[Any, int] = {}  # partitions revoked with work discarded: where it began
         self._last_gauges_s = time.monotonic()
@@ -119,7 +120,7 @@ class Ingestor:
                 try:
                     if not self._handle(tp, message):
                         break  # the rest of this partition's batch is in the table, or fetched again
-                except DeadLetterFailed as exc:  # the rest of this batch is fetched again
+                except (DeadLetterFailed, TopicIdUnknown) as exc:  # the rest of this batch is fetched again
                     self._write_failed(tp, self._first_uncommitted(tp, message.offset), exc)
                     break
                 handled += 1
@@ -173,13 +174,10 @@ class Ingestor:
         state = self._parts.get(tp)
         if state is None:
             self._writer.wait_idle()  # seals still in flight must be in the table before we look
-            recorded = self.table.app_version(app_id(self.config.group_id, tp.topic, tp.partition))
-            if recorded is not None and self._topic_recreated(tp, recorded):
-                log.warning("ingest: %s ends before offset %d the table records for it and the group has no "
-                            "committed offset: the topic was recreated; reading it from the start", tp, recorded)
-                state = self._parts[tp] = PartitionState.recreated(recorded)
-            else:
-                state = self._parts[tp] = PartitionState.after(recorded)
+            if tp.topic not in self._topic_ids:  # once per assignment: a recreated topic has a new id
+                self._topic_ids[tp.topic] = topic_id(self.kafka, tp.topic)
+            state = self._parts[tp] = resume(self.table, self.config.group_id, tp, self._topic_ids[tp.topic],
+                                             lambda recorded: self._topic_recreated(tp, recorded))
         return state
 
     def _topic_recreated(self, tp: Any, recorded: int) -> bool:
@@ -277,8 +275,8 @@ class Ingestor:
         state = self._parts.get(tp)
         if state is None or state.first_offset < 0:
             return
-        batch = Batch(list(state.files.values()), app_id(self.config.group_id, tp.topic, tp.partition),
-                      state.first_offset, state.last_offset, state.dead_letters, state.recorded_before())
+        batch = Batch(list(state.files.values()), state.app_ids, state.first_offset, state.last_offset,
+                      state.dead_letters, state.recorded_before())
         self._seals.append(Seal(tp, state.first_offset, state.last_offset + 1, self._writer.seal(batch),
                                 time.monotonic()))
         state.files, state.first_offset, state.rows, state.nbytes = {}, -1, 0, 0
@@ -371,6 +369,7 @@ class Ingestor:
 
     def partitions_assigned(self, partitions: Any) -> None:
         self.forget_partitions(partitions)
+        self._topic_ids.clear()  # looked up again at the partitions' first messages
         for tp in partitions:  # seek() is allowed here: it only moves the local position
             if tp in self._rewind_to:
                 self._consumer.seek(tp, self._rewind_to[tp])

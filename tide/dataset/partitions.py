@@ -9,17 +9,22 @@ offset, which its first batch's commit replaces in the table's transaction.
 It also watches the stream's offsets: the capture topic has no transactions or compaction, so
 every offset holds a record and a fetch that skips some is fetched again once (``gap``).
 ``Seal``: a batch handed to the writer thread, committed to Kafka once the table holds it.
-``app_id``: the Delta application-transaction id of a partition for a consumer group.
+``app_id``: the Delta application-transaction id of a partition for a consumer group, keyed by
+the topic's id where the broker gives one (KIP-516): a recreated topic has a new id, so its offsets
+start a new transaction instead of being read against the old topic's (``resume``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from tide.dataset.writer import DataFileWriter
+
+log = logging.getLogger(__name__)
 
 # tests only: while <dir>/pause-after-table-commit exists, a seal pauses between its table commit
 # and its Kafka commit (after creating <dir>/paused-<pid>), so a test can kill it exactly there
@@ -27,8 +32,14 @@ FAULT_DIR_ENV = "TIDE_INGEST_FAULT_DIR"
 REFETCH, PASS = "refetched", "passed"  # PartitionState.gap outcomes (the gap metric's labels)
 
 
-def app_id(group_id: str, topic: str, partition: int) -> str:
-    return f"{group_id}/{topic}/{partition}"
+def app_id(group_id: str, topic: str, partition: int, topic_id: str | None = None) -> str:
+    return f"{group_id}/{topic}/{partition}" if topic_id is None else f"{group_id}/{topic}@{topic_id}/{partition}"
+
+
+def id_keyed_mark(group_id: str, topic: str, partition: int) -> str:
+    """A transaction recorded with every id-keyed commit: the name-keyed offset beside it mirrors
+    whichever topic id wrote last, so it is no longer what a new id resumes from."""
+    return f"{group_id}/{topic}/{partition}/keyed-by-topic-id"
 
 
 @dataclass
@@ -46,18 +57,23 @@ class PartitionState:
     expected: int = -1  # the next offset the partition's stream should yield (-1: not known yet)
     refetched_from: int = -1  # a gap at this offset was fetched again once
     follows: int | None = None  # recreated topic: the old offset the next commit replaces (once)
+    # the transaction a commit checks and advances, then those it records alongside: (app id, offset
+    # or None for the batch's last offset)
+    app_ids: tuple[tuple[str, int | None], ...] = ()
 
     @classmethod
-    def after(cls, recorded: int | None) -> "PartitionState":
+    def after(cls, recorded: int | None, app_ids: tuple = ()) -> "PartitionState":
         """A partition whose offsets up to ``recorded`` are in the table (None: none recorded): the
         next one is what its stream must yield (``gap``)."""
-        return cls() if recorded is None else cls(skip_through=recorded, expected=recorded + 1)
+        if recorded is None:
+            return cls(app_ids=app_ids)
+        return cls(skip_through=recorded, expected=recorded + 1, app_ids=app_ids)
 
     @classmethod
-    def recreated(cls, recorded: int) -> "PartitionState":
+    def recreated(cls, recorded: int, app_ids: tuple = ()) -> "PartitionState":
         """A partition whose topic was recreated: the table records ``recorded`` from the old topic,
         which means nothing for the new one's offsets (read from the start)."""
-        return cls(follows=recorded)
+        return cls(follows=recorded, app_ids=app_ids)
 
     def recorded_before(self) -> int:
         """The offset the table must record for this partition when the open batch commits."""
@@ -86,6 +102,35 @@ class PartitionState:
             self.refetched_from = self.expected
             return REFETCH
         return PASS
+
+
+def resume(table: Any, group_id: str, tp: Any, topic_id: str | None,
+           recreated: Callable[[int], bool]) -> PartitionState:
+    """Where the table leaves partition ``tp`` for this group. Keyed by the topic's id: what that
+    transaction records; nothing when another id wrote the partition before (a recreated topic:
+    ``id_keyed_mark``); for a table written before topic ids keyed it, the name-keyed offset. Each
+    id-keyed commit also records the name-keyed offset (ingest replicas of earlier versions read it
+    during a rolling upgrade). Keyed by name (no topic id known): that offset, unless
+    ``recreated(offset)`` says the topic was recreated since (a guess: the group has no committed
+    offset and the partition ends at or before it), whose first commit then replaces it."""
+    by_name = app_id(group_id, tp.topic, tp.partition)
+    if topic_id is None:
+        ids: tuple = ((by_name, None),)
+        recorded = table.app_version(by_name)
+    else:
+        mark = id_keyed_mark(group_id, tp.topic, tp.partition)
+        ids = ((app_id(group_id, tp.topic, tp.partition, topic_id), None), (by_name, None), (mark, 0))
+        own = table.app_version(ids[0][0])
+        if own is not None:
+            return PartitionState.after(own, ids)
+        if table.app_version(mark) is not None:
+            return PartitionState.after(None, ids)  # a topic recreated since its offsets were keyed by id
+        recorded = table.app_version(by_name)
+    if recorded is not None and recreated(recorded):
+        log.warning("ingest: %s ends before offset %d the table records for it and the group has no "
+                    "committed offset: the topic was recreated; reading it from the start", tp, recorded)
+        return PartitionState.recreated(recorded, ids)
+    return PartitionState.after(recorded, ids)
 
 
 @dataclass

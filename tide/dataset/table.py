@@ -122,16 +122,17 @@ class DatasetTable:
 
     def append(self, adds: list, counts: dict[str, dict[str, int]] | None = None,
                app_id: str | None = None, recorded_before: int = -1, last_offset: int = 0,
-               metadata: dict[str, str] | None = None) -> int:
+               metadata: dict[str, str] | None = None, also: dict[str, int] | None = None) -> int:
         """Commit ``adds`` (AddActions of files already written); returns the new version.
         With ``app_id``: Stale unless the app's recorded offset is ``recorded_before`` (the batch's
         first offset - 1; any when none is recorded): an app's offsets reach the table in order,
-        without holes, and a recreated topic's first batch replaces the old topic's offset."""
+        without holes, and a recreated topic's first batch replaces the old topic's offset. ``also``:
+        more application transactions recorded in the same commit, unchecked."""
         from deltalake import CommitProperties, Transaction
         from deltalake.exceptions import CommitFailedError
 
         custom = {COUNTS_KEY: json.dumps(counts or {}), **(metadata or {})}
-        txns = [Transaction(app_id, last_offset)] if app_id else None
+        txns = ([Transaction(app_id, last_offset)] if app_id else []) + [Transaction(a, v) for a, v in (also or {}).items()]
         for attempt in range(_COMMIT_ATTEMPTS):
             dt = self.writable()
             if app_id is not None:
@@ -141,7 +142,7 @@ class DatasetTable:
             try:
                 dt.create_write_transaction(adds, "append", TABLE_SCHEMA, partition_by=list(PARTITION_COLUMNS),
                                             commit_properties=CommitProperties(custom_metadata=custom,
-                                                                               app_transactions=txns))
+                                                                               app_transactions=txns or None))
             except CommitFailedError as exc:  # a concurrent delete or writer of this app id won
                 log.info("dataset: commit lost a race (%s); retrying on the new version", exc)
                 time.sleep(min(1.0, 0.02 * 2 ** attempt))

@@ -7,6 +7,8 @@ under Kubernetes the Strimzi topic operator owns them, and its KafkaTopic specs 
 """
 from __future__ import annotations
 
+import uuid
+
 from tide.config import IngestConfig, KafkaConfig
 
 
@@ -17,6 +19,29 @@ def wanted_topics(config: IngestConfig, kafka: KafkaConfig) -> list:
     topic_configs = {"retention.ms": str(config.topic_retention_ms)} if config.topic_retention_ms else {}
     return [NewTopic(kafka.topic, config.topic_partitions, config.replication_factor, topic_configs=topic_configs),
             NewTopic(kafka.dead_letter_topic, 1, config.replication_factor, topic_configs=topic_configs)]
+
+
+class TopicIdUnknown(Exception):
+    """The broker could not be asked for a topic's id now: its partitions wait (a guess could key
+    their offsets wrongly)."""
+
+
+def topic_id(kafka: KafkaConfig, topic: str) -> str | None:
+    """The topic's id (KIP-516) as the broker reports it; None when it reports none (a broker
+    without topic ids: offsets are then keyed by the topic's name). TopicIdUnknown when it cannot
+    be asked now."""
+    from kafka import KafkaAdminClient
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers.split(","), client_id="tide-ingest-admin")
+        try:
+            found = [t for t in admin.describe_topics([topic]) if t.get("name") == topic]
+        finally:
+            admin.close()
+    except Exception as exc:  # noqa: BLE001 - any client or broker error: ask again after a backoff
+        raise TopicIdUnknown(f"the broker did not say the id of topic {topic}: {exc}") from exc
+    value = found[0].get("topic_id") if found else None
+    return None if value is None or uuid.UUID(str(value)).int == 0 else str(value)
 
 
 def ensure_topics(config: IngestConfig, kafka: KafkaConfig) -> None:

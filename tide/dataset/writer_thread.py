@@ -47,7 +47,7 @@ class Sealed:
 @dataclass
 class Batch:
     files: list[DataFileWriter]
-    app_id: str
+    app_ids: tuple  # PartitionState.app_ids: the checked transaction first, then those recorded alongside
     first_offset: int
     last_offset: int
     dead_letters: list
@@ -127,8 +127,10 @@ class WriterThread:
         for out in kept:
             add_counts_all(counts, out.counts)
         try:
-            version = self.table.append([o.add for o in kept], counts, batch.app_id, batch.recorded_before,
-                                        batch.last_offset)
+            (checked, _), *alongside = batch.app_ids
+            version = self.table.append([o.add for o in kept], counts, checked, batch.recorded_before,
+                                        batch.last_offset, also={a: batch.last_offset if v is None else v
+                                                                 for a, v in alongside})
         except Stale as stale:
             for data_file in batch.files:
                 self._discard(data_file)

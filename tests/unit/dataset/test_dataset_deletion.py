@@ -31,7 +31,7 @@ def _batch(uri, helpers, rids, first_offset=0, at_s=T0, row_group_rows=64):
     f = DataFileWriter(Location.from_uri(uri), partition_values(at_s), row_group_rows, 1 << 30)
     for i, rid in enumerate(rids):
         f.add(Row(helpers.make_record(rid, at_s=at_s, seed=i), "t", 0, first_offset + i, 0, at_s))
-    return Batch([f], "g/t/0", first_offset, first_offset + len(rids) - 1, [], first_offset - 1)
+    return Batch([f], (("g/t/0", None),), first_offset, first_offset + len(rids) - 1, [], first_offset - 1)
 
 
 def _writer(uri) -> WriterThread:
