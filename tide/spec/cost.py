@@ -119,12 +119,12 @@ class StepCostModel:
                 continue
             lo = max((j for j in known if j < k), default=None)
             hi = min((j for j in known if j > k), default=None)
-            padded = self.verify_s(rows, 1 + -(-k // rows)) if any_padded else math.nan
             if lo is not None and hi is not None:
                 out.append(cells[lo] + (cells[hi] - cells[lo]) * (k - lo) / (hi - lo))
             elif hi is not None:
                 out.append(cells[hi])
-            elif not math.isnan(padded):
+            elif any_padded:  # (looked up only here: every target-only step re-reads this row's cells)
+                padded = self.verify_s(rows, 1 + -(-k // rows))
                 out.append(max(padded, cells[lo]) if lo is not None else padded)
             elif lo is not None:
                 out.append(cells[lo])

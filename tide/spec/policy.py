@@ -109,12 +109,12 @@ class SpecPolicy:
                         greedy: list[bool]) -> tuple[bool, Planner | None]:
         trackers = [self._tracker(w) for w in names]
         n = len(names)
-        solo = self._seconds(1, gamma, 0)
         decided: dict[str, tuple[bool, bool]] = {}
         caps, min_lens = [], []
         for w, t, left, g in zip(names, trackers, room, greedy):
-            if w not in decided:
-                pays = lambda bar, t=t: drafting_gain([t], [gamma], [g], solo, gamma) > 1 + bar  # noqa: E731
+            if w not in decided:  # (one row alone: priced only when the gate judges again)
+                pays = lambda bar, t=t, g=g: drafting_gain([t], [gamma], [g], self._seconds(1, gamma, 0),  # noqa: E731
+                                                           gamma) > 1 + bar
                 on, _, changed = self.gate.decide(w, t, None, pays_at=pays)
                 if changed:
                     self._gate_metric(w, on, changed)

@@ -275,7 +275,12 @@ class WorkloadGate:
         rule, instead of those costs): does drafting for one row alone beat target-only by ``bar``."""
         s = self.state.setdefault(workload, {"on": True, "reason": "default", "since_probe": 0})
         changed = None
-        if tracker.drafts_seen >= self.min_drafts:
+        # judged again once the workload's acceptance has moved (a drafted step of it): between
+        # those its figures, and so the verdict, stay as they were (the step costs drift slowly)
+        judged = s.get("judged")  # (the tracker, its drafts_seen) last judged
+        if tracker.drafts_seen >= self.min_drafts and (judged is None or judged[0] is not tracker
+                                                       or judged[1] != tracker.drafts_seen):
+            s["judged"] = (tracker, tracker.drafts_seen)
             bar = MIN_GAIN if s["on"] else self.REOPEN_GAIN
             pays = pays_at(bar) if pays_at is not None else best_level(tracker.survival(), 1, solo_cost_at(0), bar) > 0 \
                 or ((peek := peek_rate([tracker], [tracker.depth], solo_cost_at)) is not None
