@@ -348,9 +348,10 @@ class ReferenceEngine(Engine):
         """A drafted step's (results, stats) if the policy drafts and the drafter does not fail, else (None, None)."""
         if self._drafter is self._remote is None or gamma <= 0:  # neither a drafter nor the drafter service
             return None, None
-        # the switching cost a draft pays first: positions deferred by target-only steps or a swap
-        # (a prompt's own feed is not counted: it buys the drafter the request's context)
-        feed_positions = max(r.t_len - r.feed_start if r.feed_start > 0 else 0 for r in rows)
+        # the switching cost a draft pays first: positions not fed to the drafter yet (a new
+        # request's prompt, positions deferred by target-only steps or a swap); the policy spreads
+        # it over the drafted steps it enables
+        feed_positions = max(r.t_len - r.feed_start for r in rows)
         room = [r.req.sampling.max_new_tokens - r.generated - 1 for r in (self._out.running[s] for s in slots)]
         speculate, plan = self._policy.plan(workloads, gamma, feed_positions, room, [r.temperature <= 0 for r in rows])
         if not speculate:

@@ -22,6 +22,7 @@ from tide import metrics
 # the drafter feed the draft cells are timed with (a steady step feeds its 1..1+depth committed
 # tokens); longer feeds (the prompt after prefill, positions deferred by target-only steps) cost
 # extra per position, paid once by the step that drafts next: the cost of switching drafting on
+# (the schedulers spread it over the drafted steps it enables: tide/spec/policy.py, amortized_feed)
 STEADY_FEED = 2
 # weight of one live observation: ~20 steps of a shape replace its start-up figure, while one
 # slow step (another process on the core) moves it by a tenth only

@@ -33,7 +33,19 @@ SCHEDULERS = CHOICES["spec.scheduler"]
 COSTED = ("cost", "dspark")  # the schedulers that decide from measured step costs
 DEFAULT_WORKLOAD = "default"  # the tag of requests that carry none
 SETTLED_DRAFTS = 32  # verified drafts of a workload before its drafted steps count as realized rate
+REFEED_STEPS = 8  # drafted steps a deferred feed is spread over (amortized_feed)
 MAX_GATE_EVENTS = 256  # the health view's history of gate changes (a flapping gate keeps the latest)
+
+
+def amortized_feed(feed_positions: int, room: list[int]) -> int:
+    """The feed a step is charged for: positions deferred by target-only steps are fed once, by the
+    first drafted step, and let the steps after it draft on a steady feed, so each of those (up to
+    ``REFEED_STEPS``, within the rows' budgets) carries a share. Charged whole, the share grows
+    with every step not drafted, and a load where drafting pays stays target-only."""
+    if feed_positions <= STEADY_FEED:
+        return feed_positions
+    steps = max(1, min(REFEED_STEPS, max(room, default=1)))
+    return STEADY_FEED + round((feed_positions - STEADY_FEED) / steps)
 
 
 class SpecPolicy:
@@ -73,6 +85,7 @@ class SpecPolicy:
         names = [w or DEFAULT_WORKLOAD for w in workloads]
         room = room if room is not None else [gamma] * len(names)
         greedy = greedy if greedy is not None else [True] * len(names)
+        feed_positions = amortized_feed(feed_positions, room)
         if self.scheduler == "dspark":
             return self._plan_admission(names, gamma, feed_positions, room, greedy)
         trackers = [self._tracker(w) for w in names]

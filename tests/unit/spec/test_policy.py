@@ -169,3 +169,24 @@ def test_engine_drafts_nothing_for_a_request_on_its_last_token(tiny_target, tiny
     finally:
         engine.close()
     assert out2[0] == generate(tiny_target, None, p[0], 2)[0] and out3[0] == generate(tiny_target, None, p[0], 3)[0]
+
+
+@pytest.mark.parametrize("scheduler", ["cost", "dspark"])
+def test_a_deferred_feed_is_charged_over_the_steps_it_enables(scheduler, monkeypatch):
+    """After a run of target-only steps the drafter's feed is long. Charged whole to the next
+    drafted step it outweighs a gain that steady drafting pays, every step, while it keeps growing;
+    spread over the steps that follow it, drafting resumes. A row about to finish gets no spread."""
+    import tide.spec.policy as policy_module
+    from tide.spec.cost import STEADY_FEED
+    from tide.spec.policy import amortized_feed
+
+    assert amortized_feed(STEADY_FEED + 64, [20, 3]) == STEADY_FEED + 8  # over 8 steps at most
+    assert amortized_feed(STEADY_FEED + 64, [1, 1]) == STEADY_FEED + 64  # one step left: all of it
+    assert amortized_feed(STEADY_FEED, [20]) == STEADY_FEED
+    cost = linear_cost(2, 3, per_token_s=0.05, draft_per_depth_s=0.01)
+    cost.observe_refeed(2, 64, 2.0, live=False)  # ~31 ms per deferred position
+    feed = STEADY_FEED + 64
+    policy = SpecPolicy(scheduler, 3, 0.3, cost)
+    assert policy.plan(["chat", "chat"], 3, feed, [20, 20])[0]  # the prior's acceptance pays
+    monkeypatch.setattr(policy_module, "REFEED_STEPS", 1)  # charged whole: 2 s on a 1 s step
+    assert not SpecPolicy(scheduler, 3, 0.3, cost).plan(["chat", "chat"], 3, feed, [20, 20])[0]
