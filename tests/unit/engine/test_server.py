@@ -278,6 +278,7 @@ def test_health_models_metrics(url: str, fake: FakeEngine) -> None:
     models = httpx.get(url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [fake.target_model_id]
     httpx.post(url + "/v1/completions", json={"prompt": "hi", "foo": 1})
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     text = httpx.get(url + "/metrics").text
     assert "tide_engine_batch_size" in text and "tide_engine_time_to_first_token_seconds_count" in text
     assert re.search(r'tide_engine_http_requests_total\{route="/v1/completions",status="400"\} [1-9]', text)
