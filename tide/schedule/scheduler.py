@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tide import metrics
-from tide.contracts import JOB_CANCELLED, JOB_FAILED, JOB_SUCCEEDED, JOB_TIMED_OUT
+from tide.contracts import JOB_CANCELLED, JOB_FAILED, JOB_SUCCEEDED, JOB_TIMED_OUT, RETRAIN_NOTHING_TO_DO
 from tide.schedule.kubernetes_launcher import KubernetesLauncher, job_env
 from tide.schedule.launcher import JobSpec, Launcher, Outcome
 from tide.schedule.local_launcher import LocalLauncher
@@ -182,7 +182,15 @@ class RetrainScheduler:
         state.history = [*state.history, record][-max(1, self.cfg.history_max_jobs):]
         shift = state.shift
         if shift is not None and shift.job_id == job.job_id:
-            shift.status, shift.version = outcome.status, record.version
+            if outcome.succeeded and result.get("status") == RETRAIN_NOTHING_TO_DO:
+                # its window held too little of the new traffic yet (launched on tokens that the
+                # traffic before the shift counts toward): the next launch is the shift's again
+                shift.job_id = shift.launched_at_s = None
+                log.info("retrain %s had too little since the shift (%s); the shift's retrain launches "
+                         "again at %d new %s", job.job_id, outcome.reason, self.cfg.shift_min_new_samples,
+                         self.cfg.sample_unit)
+            else:
+                shift.status, shift.version = outcome.status, record.version
         if outcome.status == JOB_CANCELLED:  # stopped on purpose: no backoff for the next one
             log.warning("retrain %s cancelled (%s)", job.job_id, outcome.reason)
         elif outcome.succeeded:

@@ -258,6 +258,38 @@ def test_a_detected_shift_launches_sooner_shorter_and_is_recorded(kit, until):
     assert not d.launch and d.reason == "cooldown" and d.threshold == 100_000 and not d.shift
 
 
+def test_a_shift_retrain_with_too_little_new_traffic_leaves_the_shift_pending(kit, until):
+    """Its launch counts the traffic before the shift too; when its window (since the shift) held too
+    few requests to train ("nothing to do") the shift is not spent: the next launch is its again, at
+    the shift's threshold, with its settings."""
+    clock = Clock()
+    sc = kit.config(min_new_samples=100_000, cooldown_s=10_000.0, shift_min_new_samples=1000,
+                    shift_recent_tokens=500, shift_reference_tokens=2000)
+    launcher = LocalLauncher(sc.command, None, kit.state_path, kill_grace_s=sc.kill_grace_s)
+    sched = RetrainScheduler(sc, kit.table, StateStore(kit.state_path), launcher, clock=clock)
+    t = write_requests(kit.table, ["chat"] * 40, T0, seed=1)
+    sched.tick()
+    t = write_requests(kit.table, ["code"] * 12, t, seed=2)
+    kit.set_control("nothing")
+    assert sched.tick().launch
+    first_job = sched.store.load().shift.job_id
+    until(lambda: sched.tick().reason != "running", timeout_s=15, what="the job's end")
+    shift = sched.store.load().shift
+    assert shift.pending and shift.status is None and len(sched.store.load().shifts) == 1
+    clock.t += 1.0
+    assert not sched.tick().launch  # nothing new since: it waits for the shift's threshold again
+    write_requests(kit.table, ["code"] * 30, t, seed=3)
+    gate = kit.set_control("ok", gate="gate")  # the relaunch waits for the test to read its settings
+    clock.t += 1.0
+    d = sched.tick()
+    assert d.launch and d.shift and d.threshold == 1000  # no cool-down: still the shift's retrain
+    shift = sched.store.load().shift
+    assert shift.job_id not in (None, first_job) and until(lambda: len(kit.launched()) == 2, what="the relaunch")
+    assert _environ(kit.launched()[-1]["pid"])["TIDE_TRAIN__PATCH"] == "true"
+    (gate / "read").touch()
+    (gate / "finish").touch()
+
+
 def test_no_detection_without_the_setting(kit):
     sc = kit.config(shift_detection=False, min_new_samples=100_000, shift_recent_tokens=500)
     launcher = LocalLauncher(sc.command, None, kit.state_path)
