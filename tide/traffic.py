@@ -86,8 +86,13 @@ def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_token
 
     try:
         with ThreadPoolExecutor(concurrency) as pool:
-            for f in [pool.submit(worker) for _ in range(concurrency)]:
-                f.result()  # a worker's exception (from on_done or until) reaches the caller
+            futures = [pool.submit(worker) for _ in range(concurrency)]
+            try:
+                for f in futures:
+                    f.result()  # a worker's exception (from on_done or until) reaches the caller
+            except BaseException:
+                abort.set()  # the caller stops (Ctrl-C, a worker's error): every worker ends its request and stops
+                raise
     finally:
         client.close()
     return result

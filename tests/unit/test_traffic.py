@@ -175,3 +175,35 @@ def test_sampler_counts_gated_rows_as_served_not_as_drafted(metrics_url):
     assert sampler.forwards_since(start_s, version) == 4
     assert sampler.points[-1].tokens_per_forward == 3.0  # the drafted rows only
     assert sampler.served_forwards_since(start_s, "no-such-version") == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_of_the_caller_stops_every_worker(chat_url):
+    """Ctrl-C (here: a signal handler's exception) while replay waits for its workers: they stop
+    after their request and the exception reaches the caller, instead of the workers replaying
+    endless prompts while the caller waits for them."""
+    import signal
+    import time
+
+    from tide.traffic import TrafficResult, replay
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    result = TrafficResult()
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Interrupted):
+            replay(chat_url, _prompts(), concurrency=3, max_tokens=3, result=result)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - t0 < 10
+    sent = result.sent
+    time.sleep(0.3)
+    assert sent > 0 and result.sent == sent  # nothing sent after the caller left
