@@ -54,6 +54,10 @@ ENGINE_STEP_COST_SECONDS = Gauge(
     "of live steps): kind=verify by rows and tokens fed, kind=draft by rows and draft depth, "
     "kind=overhead|overhead_drafted by rows (a step's time outside its forwards; tokens=0)",
     ["kind", "rows", "tokens"])
+ENGINE_STEP_COST_SPEED = Gauge(
+    "tide_engine_step_cost_speed", "Every step cost of a group (target: verify forwards; drafter: draft forwards) "
+    "over its start-up figure, as live steps measure it: above 1 the machine or the contexts got slower, and cells "
+    "no live step visits are scaled by it", ["group"])
 ENGINE_SPEC_ENABLED = Gauge(
     "tide_engine_speculation_enabled", "1 while the cost scheduler speculates for the workload under the serving "
     "drafter, 0 while that workload decodes target-only", ["workload", "drafter_version"])

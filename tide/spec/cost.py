@@ -9,11 +9,20 @@ from these figures, so each cell is a measurement of that shape, never an extrap
 another batch size. Cells the profile did not measure take the nearest measured cell's value
 until a live step of that shape lands; a packed verify's cells between two measured ones of the same
 row count are interpolated (the profile measures a grid of total drafts, live steps fill the rest).
+
+Live steps visit few shapes (at a steady load: the target-only step and a drafted one or two), while
+the machine's pace and the requests' context length move every shape's time. So a live step moves
+its group's speed (target forwards; the drafter's), which scales every cell of the group, and its
+own cell's deviation from the rest more slowly: a shape timed at start-up is never compared with
+one timed now as if both were current. Figures are bounded as the hardware is: a verify never costs
+less for carrying more tokens or more rows.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -30,6 +39,10 @@ LIVE_EWMA = 0.1
 # total drafts of a packed verify the start-up profile measures (with every row count's largest):
 # each cell is one forward shape; the ones between are interpolated until live steps measure them
 PACKED_GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+# a live step moves its group's speed by the running average's weight and its own cell by this
+# share of it: one shape timed slower than its figure is mostly the machine (every shape slows),
+# and a shape's own deviation is learnt over its steps at this pace
+CELL_SHARE = 0.25
 
 
 class StepCostModel:
@@ -48,16 +61,32 @@ class StepCostModel:
         # packed verify seconds by rows and total drafts verified (0 = a target-only step's forward)
         self._packed = [[math.nan] * (max_rows * max_depth + 1) for _ in range(max_rows + 1)]
         self._packed_rows: dict[int, list[float]] = {}  # per row count: every cell, interpolated (cache)
+        self._verify_rows: dict[int, list[float]] = {}  # per row count: every padded cell, bounded (cache)
         self._drafts_measured = False  # any draft cell (every plan asks: no scan of the table)
+        # the cells above are each shape's seconds at speed 1; a figure is its cell x its group's
+        # speed (target forwards: verify and packed; the drafter's: draft). A live step moves both
+        # (see ``_observe``): the machine's pace and the context's length change every shape's
+        # time together, and a cell no live step visits must follow, or the scheduler compares a
+        # shape timed now with one timed at start-up and picks on the difference
+        self._speed = {"target": 1.0, "drafter": 1.0}
 
     # --- observations -----------------------------------------------------------------------
     def observe_verify(self, rows: int, tokens: int, seconds: float, live: bool = True) -> None:
         self._observe(self._verify, "verify", rows, tokens, seconds, live)
+        _forget_up_to(self._verify_rows, rows)
 
     def observe_packed(self, rows: int, drafts: int, seconds: float, live: bool = True) -> None:
         """A packed verify of ``rows`` rows carrying ``drafts`` drafts in all (each row's pending too)."""
         self._observe(self._packed, "packed", rows, drafts, seconds, live)
-        self._packed_rows.pop(rows, None)
+        _forget_up_to(self._packed_rows, rows)
+
+    def observe_target_only(self, rows: int, seconds: float) -> None:
+        """A live target-only forward: the padded verify's one-token cell and the packed verify's
+        no-draft cell are that one shape (timed once, it moves the speed once)."""
+        self.observe_verify(rows, 1, seconds)
+        if 1 <= rows <= self.max_rows and seconds > 0:
+            self._packed[rows][0] = self._verify[rows][1]
+            _forget_up_to(self._packed_rows, rows)
 
     def observe_draft(self, rows: int, depth: int, seconds: float, live: bool = True) -> None:
         if depth >= 1:
@@ -86,26 +115,57 @@ class StepCostModel:
                                                     "0").set(cell[drafted])
 
     def _observe(self, table, kind: str, rows: int, n: int, seconds: float, live: bool) -> None:
+        """One timing of a shape. Live, it moves its group's speed toward seconds over the cell's
+        figure by ``ewma`` and the cell (its own deviation) toward the rest by ``CELL_SHARE`` of
+        that: a steady seconds is the fixed point, reached by a cell its steps visit; every other
+        cell of the group follows through the speed."""
         if not (1 <= rows <= self.max_rows and 0 <= n < len(table[rows])) or not seconds > 0:
             return
-        old = table[rows][n]
-        table[rows][n] = seconds if math.isnan(old) or not live else old + self.ewma * (seconds - old)
-        metrics.ENGINE_STEP_COST_SECONDS.labels(kind, str(rows), str(n)).set(table[rows][n])
+        group = "drafter" if kind == "draft" else "target"
+        speed, old = self._speed[group], table[rows][n]
+        if live and not math.isnan(old):
+            speed = self._speed[group] = speed + self.ewma * (seconds / old - speed)
+            metrics.ENGINE_STEP_COST_SPEED.labels(group).set(speed)
+            table[rows][n] = old + self.ewma * CELL_SHARE * (seconds / speed - old)
+        else:
+            table[rows][n] = seconds / speed
+        metrics.ENGINE_STEP_COST_SECONDS.labels(kind, str(rows), str(n)).set(table[rows][n] * speed)
 
     # --- figures ----------------------------------------------------------------------------
     def verify_s(self, rows: int, tokens: int) -> float:
-        return _nearest(self._verify, rows, tokens, lo=1)
+        return self.verify_costs(rows)[min(max(tokens, 1), self.max_depth + 1)]
+
+    def verify_costs(self, rows: int) -> list[float]:
+        """Seconds of a padded verify of ``rows`` rows by tokens per row (index 0 unused, = 1's):
+        each cell the nearest measured one, bounded by the same shape with more rows and made
+        non-decreasing in tokens (see ``_bounded``)."""
+        speed = self._speed["target"]
+        return [v * speed for v in self._verify_cells(rows)]
+
+    def _verify_cells(self, rows: int) -> list[float]:
+        rows = min(max(rows, 1), self.max_rows)
+        cached = self._verify_rows.get(rows)
+        if cached is None:
+            own = [_nearest(self._verify, rows, t, lo=1) for t in range(self.max_depth + 2)]
+            more = self._verify_cells(rows + 1) if rows < self.max_rows else None
+            cached = self._verify_rows[rows] = _bounded(own, more)
+        return cached
 
     def draft_s(self, rows: int, depth: int) -> float:
         if depth <= 0 or not self._drafts_measured:
             return 0.0  # no drafter was profiled (none served at start-up): drafted steps measure it
-        return _nearest(self._draft, rows, depth, lo=1)
+        return _nearest(self._draft, rows, depth, lo=1) * self._speed["drafter"]
 
     def packed_costs(self, rows: int) -> list[float]:
         """Seconds of a packed verify of ``rows`` rows by total drafts 0..rows x max_depth: the
         measured cells made non-decreasing (a verify never costs less for carrying more: a cell
         above a later one is timing noise, pooled with it), linear between two measured ones, else
-        the padded verify with as many tokens per row (an upper bound) or the nearest measured cell."""
+        the padded verify with as many tokens per row (an upper bound) or the nearest measured cell;
+        then bounded by the same drafts over more rows (``_bounded``)."""
+        speed = self._speed["target"]
+        return [v * speed for v in self._packed_cells(rows)]
+
+    def _packed_cells(self, rows: int) -> list[float]:
         rows = min(max(rows, 1), self.max_rows)
         cached = self._packed_rows.get(rows)
         if cached is not None:
@@ -125,13 +185,14 @@ class StepCostModel:
             elif hi is not None:
                 out.append(cells[hi])
             elif any_padded:  # (looked up only here: every target-only step re-reads this row's cells)
-                padded = self.verify_s(rows, 1 + -(-k // rows))
+                padded = self._verify_cells(rows)[min(1 + -(-k // rows), self.max_depth + 1)]
                 out.append(max(padded, cells[lo]) if lo is not None else padded)
             elif lo is not None:
                 out.append(cells[lo])
             else:
                 raise RuntimeError("step cost model has no measurement yet: profile it first")
-        self._packed_rows[rows] = out
+        more = self._packed_cells(rows + 1) if rows < self.max_rows else None
+        out = self._packed_rows[rows] = _bounded(out, more)
         return out
 
     def packed_s(self, rows: int, drafts: int) -> float:
@@ -170,6 +231,23 @@ class StepCostModel:
                                      for r in range(1, self.max_rows + 1)}}
 
 
+def _bounded(cells: list[float], more_rows: list[float] | None) -> list[float]:
+    """``cells`` (one row count's costs by drafts or tokens) capped by the next row count's at the
+    same index, then each by every later one. A step never costs less for carrying more rows or
+    more tokens, so a cell above either bound is a slow timing (another process on the core); left
+    as measured, the scheduler would avoid that shape and never time it again."""
+    out = [min(v, more_rows[k]) if more_rows is not None and k < len(more_rows) else v for k, v in enumerate(cells)]
+    for k in range(len(out) - 2, -1, -1):
+        out[k] = min(out[k], out[k + 1])
+    return out
+
+
+def _forget_up_to(cache: dict[int, list[float]], rows: int) -> None:
+    """Drop the cached rows a new cell of ``rows`` rows bounds (its own and every smaller count)."""
+    for r in [r for r in cache if r <= rows]:
+        del cache[r]
+
+
 def _non_decreasing(cells: list[float]) -> list[float]:
     """The measured (non-NaN) cells fitted non-decreasing in order (pool adjacent violators,
     least squares); NaN cells stay NaN."""
@@ -206,7 +284,7 @@ def packed_lengths(rows: int, drafts: int) -> list[int]:
     return [drafts // rows + (b < drafts % rows) for b in range(rows)]
 
 
-def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: int, reps: int = 2,
+def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: int, reps: int = 3,
             refeed_positions: int = 32, packed: bool = False, head=None) -> None:
     """Time verify forwards and drafts at every (rows, tokens) the engine can run, on the engine's
     own caches before any request uses them (the positions written are overwritten by prefills).
@@ -215,49 +293,77 @@ def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: i
     head the engine's drafts carry (its survivals are part of a draft's time).
 
     ``context_len`` is the position the timed tokens start at: attention's share of a step grows
-    with it, so it should be a typical decode context. The median of ``reps`` runs after one
-    warm-up run is kept.
+    with it, so it should be a typical decode context. Every shape is run once to warm up, then the
+    whole grid ``reps`` times over and each shape's fastest run kept: a slower run is another
+    process's time on the core, not the shape's, and such a spell lasts longer than one shape's
+    runs, so the grid's passes (not one shape's runs back to back) are what it hits only once.
+    Live steps then move each cell to what steps of that shape take here.
     """
+    shapes = profile_shapes(target, drafter, tcache, dcache, cost.max_rows, cost.max_depth, context_len,
+                             refeed_positions, packed, head)
+    seconds = fastest_over_passes([fn for _, fn in shapes], reps)
+    for (shape, _), s in zip(shapes, seconds):
+        kind, rows, n = shape
+        if kind == "verify":
+            cost.observe_verify(rows, n, s, live=False)
+            if packed:  # a packed verify without drafts is the one-token forward
+                cost.observe_packed(rows, 0, s, live=False)
+        elif kind == "packed":
+            cost.observe_packed(rows, n, s, live=False)
+        elif kind == "draft":
+            cost.observe_draft(rows, n, s, live=False)
+    for (shape, _), s in zip(shapes, seconds):  # after the draft cells: the feed's cost is past a steady draft's
+        kind, rows, n = shape
+        if kind == "refeed":
+            cost.observe_refeed(rows, n, s - cost.draft_s(rows, 1), live=False)
+
+
+def profile_shapes(target, drafter, tcache, dcache, max_rows: int, max_depth: int, context_len: int,
+                    refeed_positions: int, packed: bool, head) -> list[tuple[tuple[str, int, int], Callable]]:
+    """((kind, rows, tokens | drafts | depth | extra feed), a run of that shape) for every shape profiled."""
     from tide.spec.decode import RowInput, draft
     from tide.spec.rules import FixedLength
 
-    aux_dim = 3 * target.shape.hidden_size
-    for rows in range(1, cost.max_rows + 1):
-        slots = torch.arange(rows)
-        start = torch.full((rows,), context_len)
-        for tokens in range(1, 2 if packed else cost.max_depth + 2):
+    aux_dim, every = 3 * target.shape.hidden_size, FixedLength()  # each depth's top probabilities computed alike
+    shapes: list[tuple[tuple[str, int, int], Callable]] = []
+    for rows in range(1, max_rows + 1):
+        slots, start = torch.arange(rows), torch.full((rows,), context_len)
+        for tokens in range(1, 2 if packed else max_depth + 2):
             fed = torch.zeros(rows, tokens, dtype=torch.long)
-            cost.observe_verify(rows, tokens, _median_s(lambda: target.forward(fed, start, tcache, slots), reps),
-                                live=False)
+            shapes.append((("verify", rows, tokens), functools.partial(target.forward, fed, start, tcache, slots)))
         if packed:
-            cost.observe_packed(rows, 0, cost.verify_s(rows, 1), live=False)
-            most = rows * cost.max_depth
+            most = rows * max_depth
             for drafts in sorted({k for k in PACKED_GRID if 0 < k < most} | {most}):
                 lengths = torch.tensor(packed_lengths(rows, drafts)) + 1
                 fed = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
-                cost.observe_packed(rows, drafts, _median_s(
-                    lambda: target.forward(fed, start, tcache, slots, lengths=lengths), reps), live=False)
+                shapes.append((("packed", rows, drafts),
+                               functools.partial(target.forward, fed, start, tcache, slots, lengths=lengths)))
         if drafter is None:
             continue
-        def feed(n: int) -> list[RowInput]:
+        def feed(n: int, rows: int = rows) -> list[RowInput]:
             return [RowInput(slot=b, t_len=context_len, pending=0, feed_start=context_len - n,
                              feed_tokens=torch.zeros(n, dtype=torch.long), feed_aux=torch.zeros(n, aux_dim))
                     for b in range(rows)]
-        batch, every = feed(STEADY_FEED), FixedLength()  # each depth's top probabilities are computed alike
-        for depth in range(1, cost.max_depth + 1):
-            cost.observe_draft(rows, depth, _median_s(
-                lambda: draft(drafter, target.embed_weight, dcache, batch, depth, every, head), reps), live=False)
-        long_feed = feed(STEADY_FEED + refeed_positions)
-        long_s = _median_s(lambda: draft(drafter, target.embed_weight, dcache, long_feed, 1, every, head), reps)
-        cost.observe_refeed(rows, refeed_positions, long_s - cost.draft_s(rows, 1), live=False)
+        for depth in range(1, max_depth + 1):
+            shapes.append((("draft", rows, depth),
+                           functools.partial(draft, drafter, target.embed_weight, dcache, feed(STEADY_FEED), depth,
+                                             every, head)))
+        shapes.append((("refeed", rows, refeed_positions),
+                       functools.partial(draft, drafter, target.embed_weight, dcache,
+                                         feed(STEADY_FEED + refeed_positions), 1, every, head)))
+    return shapes
 
 
-def _median_s(fn, reps: int) -> float:
+def fastest_over_passes(runs: list[Callable], reps: int) -> list[float]:
+    """Each run's fastest of ``reps`` timings, taken in ``reps`` passes over all of them after one
+    warm-up pass."""
+    best = [math.inf] * len(runs)
     with torch.inference_mode():
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
+        for fn in runs:
             fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        for _ in range(reps):
+            for i, fn in enumerate(runs):
+                t0 = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best

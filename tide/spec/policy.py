@@ -170,8 +170,7 @@ class SpecPolicy:
 
     def observe_target_step(self, n_rows: int, seconds: float) -> None:
         if self.cost is not None:
-            self.cost.observe_verify(n_rows, 1, seconds)
-            self.cost.observe_packed(n_rows, 0, seconds)
+            self.cost.observe_target_only(n_rows, seconds)
 
     def observe_step_wall(self, n_rows: int, wall_s: float, forwards_s: float, drafted: bool, tokens: int) -> None:
         """A whole step took ``wall_s``, ``forwards_s`` of it in the verify and draft forwards, and
