@@ -243,9 +243,11 @@ def _bounded(cells: list[float], more_rows: list[float] | None) -> list[float]:
 
 
 def _forget_up_to(cache: dict[int, list[float]], rows: int) -> None:
-    """Drop the cached rows a new cell of ``rows`` rows bounds (its own and every smaller count)."""
-    for r in [r for r in cache if r <= rows]:
-        del cache[r]
+    """Drop the cached rows a new cell of ``rows`` rows bounds (its own and every smaller count).
+    The health view fills the cache from another thread: iterate a copy, tolerate a missing key."""
+    for r in list(cache):
+        if r <= rows:
+            cache.pop(r, None)
 
 
 def _non_decreasing(cells: list[float]) -> list[float]:
