@@ -133,7 +133,8 @@ class StepCostModel:
 
     # --- figures ----------------------------------------------------------------------------
     def verify_s(self, rows: int, tokens: int) -> float:
-        return self.verify_costs(rows)[min(max(tokens, 1), self.max_depth + 1)]
+        # one cell: planning asks for cells one at a time, every step (no list per call)
+        return self._verify_cells(rows)[min(max(tokens, 1), self.max_depth + 1)] * self._speed["target"]
 
     def verify_costs(self, rows: int) -> list[float]:
         """Seconds of a padded verify of ``rows`` rows by tokens per row (index 0 unused, = 1's):
@@ -196,8 +197,8 @@ class StepCostModel:
         return out
 
     def packed_s(self, rows: int, drafts: int) -> float:
-        costs = self.packed_costs(rows)
-        return costs[min(max(drafts, 0), len(costs) - 1)]
+        costs = self._packed_cells(rows)
+        return costs[min(max(drafts, 0), len(costs) - 1)] * self._speed["target"]
 
     def step_costs(self, rows: int, max_depth: int, drafted: int = 0, feed_positions: int = 0) -> list[float]:
         """Seconds of a step whose longest draft is m, for m = 0..max_depth, when ``drafted`` depths
