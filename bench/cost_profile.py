@@ -57,6 +57,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.rows < 1 or args.depth < 1 or args.profiles < 2 or args.reps < 1 or args.context < 1:
+        ap.error("--rows, --depth, --reps and --context must be >= 1 and --profiles >= 2 (a spread needs two)")
     cfg = load_config(overrides={"model": {"torch_threads": 1}})
     target, _, _ = load_target(cfg)
     drafter = load_drafter(static_drafter_path(cfg),
