@@ -233,6 +233,7 @@ class ScheduleConfig(Section):
     # drafter's live acceptance by shift_accept_drop over shift_accept_window_s. After one, the next
     # retrain launches at shift_min_new_samples, without the cool-down, with shift_train's train.*
     # overrides (a shorter warm-started run), on a window starting where the new traffic began
+    # (shift_window_from_shift: then only samples committed since then count toward it)
     shift_detection: bool = True
     shift_recent_tokens: int = Field(2000, gt=0)
     shift_reference_tokens: int = Field(8000, gt=0)

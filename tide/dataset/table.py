@@ -71,6 +71,7 @@ class DatasetTable:
         self.location = location if isinstance(location, Location) else Location.from_uri(location)
         self._writer = None  # DeltaTable kept by a writer, refreshed before each commit
         self._counts: dict[int, dict[str, dict[str, int]]] = {}  # version -> its commit's counts
+        self._committed_s: dict[int, float] = {}  # version -> its commit's time (unix s)
 
     @property
     def uri(self) -> str:
@@ -178,9 +179,10 @@ class DatasetTable:
         return pq.ParquetFile(fs.open_input_file(f"{root}/{path}"))
 
     def counts_since(self, version: int | None, target_model: str | None = None,
-                     upto: int | None = None) -> dict[str, int]:
+                     upto: int | None = None, committed_since_s: float | None = None) -> dict[str, int]:
         """Sums of the ``tide.counts`` commit metadata of versions in (version, upto]
-        (``version`` None: from the first; ``upto`` None: the newest); log files only."""
+        (``version`` None: from the first; ``upto`` None: the newest), with ``committed_since_s``
+        only of those committed at or after that unix time; log files only."""
         latest = self.version() if upto is None else upto
         total = empty_counts()
         if latest is None:
@@ -192,7 +194,11 @@ class DatasetTable:
                 v = entry.get("version")
                 if v is not None and v not in self._counts:
                     self._counts[v] = _parse_counts(entry.get(COUNTS_KEY))
+                    # a commit without a time counts wherever a time bound is asked (never under-counted)
+                    self._committed_s[v] = float(entry.get("timestamp", float("inf"))) / 1000.0
         for v in range(start + 1, latest + 1):
+            if committed_since_s is not None and self._committed_s.get(v, float("inf")) < committed_since_s:
+                continue
             for model, counts in self._counts.get(v, {}).items():
                 if target_model is None or model == target_model:
                     for unit in COUNT_UNITS:

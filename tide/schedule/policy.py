@@ -8,14 +8,18 @@ A retrain launches when all hold, checked in this order (the first that fails is
 3. the cool-down after the last successful retrain has passed;
 4. at least ``min_new_samples`` samples arrived since the last successful retrain.
 After a detected workload shift (``tide/schedule/shift.py``) whose retrain has not launched yet,
-3 is waived and 4 asks ``shift_min_new_samples``: the service runs on a mismatched drafter for as
-little time as it takes to gather that much (the launch carries ``shift_env``: a shorter
-warm-started run on what came since the shift, with the older traffic as replay).
+3 is waived and 4 asks ``shift_min_new_samples`` of the new traffic: with
+``shift_window_from_shift``, only commits made since the new traffic began count
+(``shift_samples_since_s``), so the shift's retrain launches when its own window holds that much,
+however long ago the last retrain was. The service runs on a mismatched drafter for as little time
+as it takes to gather it (the launch carries ``shift_env``: a shorter warm-started run on what came
+since the shift, with the older traffic as replay).
 
 "Arrived since" means committed to the table after the watermark, a table version: the counts
 are the ``tide.counts`` metadata ingest records in each commit (read from the log, never by
 listing or opening data files), so late data still counts and no clock has to agree with
-another. A successful retrain moves the watermark to the table version it reports to have read
+another (a shift's count compares commit times with the capture time where the new traffic
+began: clocks that agree to within an ingest batch's seconds, as NTP keeps them). A successful retrain moves the watermark to the table version it reports to have read
 (``watermark_after_success``), not to the newest at its launch: commits made while it started up
 were trained on and are not new again.
 """
@@ -105,11 +109,22 @@ def watermark_after_success(previous: int | None, launched: int | None,
     return read if previous is None else max(previous, read)
 
 
-def count_new_samples(table: Any, watermark: int | None, unit: str, target_model: str = "") -> int:
-    """Samples committed after table version ``watermark``, from the commits' metadata (the log)."""
+def count_new_samples(table: Any, watermark: int | None, unit: str, target_model: str = "",
+                      committed_since_s: float | None = None) -> int:
+    """Samples committed after table version ``watermark`` (and, with ``committed_since_s``, at or
+    after that unix time), from the commits' metadata (the log)."""
     if unit not in SAMPLE_UNITS:
         raise ValueError(f"schedule.sample_unit: {unit!r} is not one of {SAMPLE_UNITS}")
-    return int(table.counts_since(watermark, target_model or None)[unit])
+    return int(table.counts_since(watermark, target_model or None, committed_since_s=committed_since_s)[unit])
+
+
+def shift_samples_since_s(cfg: Any, state: SchedulerState) -> float | None:
+    """Where the pending shift's count of new samples starts: where its new traffic began, when its
+    retrain's window starts there (``shift_window_from_shift``); None: the watermark alone."""
+    shift = state.shift
+    if shift is None or not shift.pending or not cfg.shift_window_from_shift:
+        return None
+    return shift.since_s
 
 
 def newest_version(table: Any, watermark: int | None) -> int | None:

@@ -11,8 +11,9 @@ One tick, inside the state file's lock (``StateStore.transaction``):
    Kubernetes: Jobs with our labels) and adopt one, so even a lost state file does not double-run;
 3. watch for a workload shift (``tide/schedule/shift.py``: the captured workload mix, the
    engines' live acceptance) and record one when it is detected;
-4. count new samples from the dataset table's log (commit metadata after the watermark version),
-   apply the policy (a recorded shift whose retrain has not launched asks fewer), and launch when
+4. count new samples from the dataset table's log (commit metadata after the watermark version;
+   for a recorded shift whose retrain has not launched, only commits since its new traffic began),
+   apply the policy (such a shift asks fewer), and launch when
    it says so; a shift's retrain is launched with its own environment and recorded on the shift.
 APScheduler runs ticks with ``max_instances=1, coalesce=True`` on one worker thread, so ticks never
 overlap and a slow tick does not queue a burst. The dataset's maintenance (retention DELETE +
@@ -42,6 +43,7 @@ from tide.schedule.policy import (
     decide,
     newest_version,
     shift_env,
+    shift_samples_since_s,
     watermark_after_success,
     watermark_of,
 )
@@ -100,8 +102,8 @@ class RetrainScheduler:
                 self._adopt_orphans(state, now)
             self._watch_shift(state, now)
             watermark = watermark_of(state)
-            new = count_new_samples(self.table, watermark, self.cfg.sample_unit,
-                                    self.cfg.target_model)
+            new = count_new_samples(self.table, watermark, self.cfg.sample_unit, self.cfg.target_model,
+                                    shift_samples_since_s(self.cfg, state))
             decision = decide(state, new, now, self.cfg)
             if decision.launch:
                 self._launch(state, now, new, watermark)

@@ -2,6 +2,7 @@
 application transactions make a batch's offsets count once; a second process sees commits."""
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,6 +40,19 @@ def test_counts_since_a_version_come_from_commit_metadata(tmp_path, helpers):
     for f in table.data_files():
         (tmp_path / f.path).unlink()
     assert DatasetTable(tmp_path).counts_since(None)["rows"] == 3
+
+
+def test_counts_since_a_commit_time_leave_out_earlier_commits(tmp_path, helpers):
+    """A shift's retrain counts only what was committed since its new traffic began."""
+    helpers.write_file(tmp_path, [helpers.make_record("a"), helpers.make_record("b", t=5)])
+    time.sleep(0.05)  # commit times are the log's milliseconds
+    between_s = time.time()
+    time.sleep(0.05)
+    helpers.write_file(tmp_path, [helpers.make_record("c", model="org/other")], first_offset=5)
+    table = DatasetTable(tmp_path)
+    assert table.counts_since(None, committed_since_s=between_s) == table.counts_since(1)
+    assert table.counts_since(None, committed_since_s=time.time() + 60)["rows"] == 0
+    assert table.counts_since(None, committed_since_s=0.0)["rows"] == 3
 
 
 def test_chunked_requests_count_once(tmp_path, helpers):

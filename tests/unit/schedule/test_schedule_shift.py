@@ -258,9 +258,36 @@ def test_a_detected_shift_launches_sooner_shorter_and_is_recorded(kit, until):
     assert not d.launch and d.reason == "cooldown" and d.threshold == 100_000 and not d.shift
 
 
+def test_a_shift_counts_only_what_was_committed_since_its_new_traffic_began(kit, until):
+    """The traffic before the shift (here 2000 tokens since the last retrain) does not count toward
+    the shift's threshold: its retrain launches when its own window holds it."""
+    now_s = time.time()
+    clock = Clock(now_s)
+    sc = kit.config(min_new_samples=100_000, cooldown_s=10_000.0, shift_min_new_samples=1000,
+                    shift_recent_tokens=500, shift_reference_tokens=2000)
+    launcher = LocalLauncher(sc.command, None, kit.state_path, kill_grace_s=sc.kill_grace_s)
+    sched = RetrainScheduler(sc, kit.table, StateStore(kit.state_path), launcher, clock=clock)
+    write_requests(kit.table, ["chat"] * 40, now_s - 100.0, seed=1)  # captured earlier, committed now
+    sched.tick()
+    time.sleep(0.05)  # the log keeps commit times in milliseconds
+    t = write_requests(kit.table, ["code"] * 12, time.time(), seed=2)  # 600 tokens of the new traffic
+    d = sched.tick()
+    assert sched.store.load().shift is not None and sched.store.load().shift.pending
+    assert (d.launch, d.reason, d.shift, d.new_samples) == (False, "not_enough", True, 600)
+    write_requests(kit.table, ["code"] * 10, t, seed=3)
+    gate = kit.set_control("ok", gate="gate")
+    clock.t += 1.0
+    d = sched.tick()
+    assert d.launch and d.shift and d.new_samples == 1100
+    until(kit.launched, what="the launch")
+    (gate / "read").touch()
+    (gate / "finish").touch()
+
+
 def test_a_shift_retrain_with_too_little_new_traffic_leaves_the_shift_pending(kit, until):
-    """Its launch counts the traffic before the shift too; when its window (since the shift) held too
-    few requests to train ("nothing to do") the shift is not spent: the next launch is its again, at
+    """When its window (since the shift) held too few requests to train ("nothing to do": fewer than
+    the retrain's own minimum, or the traffic before the shift counted with a shift's window from the
+    start) the shift is not spent: the next launch is its again, at
     the shift's threshold, with its settings."""
     clock = Clock()
     sc = kit.config(min_new_samples=100_000, cooldown_s=10_000.0, shift_min_new_samples=1000,
