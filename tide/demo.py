@@ -87,26 +87,27 @@ class DemoSettings:
     # (the default policy asks 5%, which a short demo's retrain can fall just short of)
     promote_margin: float = 0.02
     # the scheduler detects the shift from the captured workload mix; its first retrain launches
-    # at shift_min_tokens new tokens (the chat before the shift counts too) and trains briefly
-    # (shift_train: train.* overrides) on what came since the shift, the chat replayed beside it.
-    # In its minute or two of training the optimizer steps decide, so it takes shorter TTT chains on
-    # smaller batches (more steps in the same time), twice the passes over its small window, and
-    # keeps more of its change than the default (bench/retrain_variants.py; docs/benchmarks.md,
-    # "Retrain settings on a demo window"); its cap bounds the first swap, not the passes
-    # (the swap must come within 3 minutes of the shift)
-    shift_min_tokens: int = 10_000
+    # once shift_min_tokens of the new traffic were committed and trains briefly (shift_train:
+    # train.* overrides) on what came since the shift, the chat replayed beside it. On a window of a
+    # few dozen requests the data decides, not the optimizer steps: a window of ~16 code requests
+    # gave 1.15x the static drafter's acceptance whatever its passes, ~45 requests ~1.25x at 5 passes
+    # (bench/retrain_variants.py; docs/benchmarks.md, "Retrain settings on a demo window"), so it
+    # waits for more data and takes fewer passes; shorter TTT chains on smaller batches, and it keeps
+    # more of its change than the default. Its cap bounds the first swap, not the passes (the swap
+    # must come within 3 minutes of the shift)
+    shift_min_tokens: int = 11_000
     shift_recent_tokens: int = 2000  # the newest captured tokens whose mix is compared with those before
     shift_reference_tokens: int = 4000
     shift_train: dict = dataclasses.field(default_factory=lambda: {
-        "max_train_s": "100", "epochs": "16", "ttt_length": "2", "batch_tokens": "512", "update_fraction": "0.8"})
+        "max_train_s": "100", "epochs": "5", "ttt_length": "2", "batch_tokens": "512", "update_fraction": "0.8"})
     # the first swap -> the full-threshold retrain after it has swapped in (or was refused) and its
     # drafter has shown the evidence above; 0: the loop closes on the first swap
     final_timeout_s: float = 20 * 60
 
     @classmethod
     def quick(cls) -> "DemoSettings":
-        # the retrain triggers on all new tokens, chat included: 7.5k leaves ~6k of code in it
-        # (6k left ~4k, a minority of the training requests, and a challenger no better)
+        # the retrain triggers on 6k tokens of the new traffic (~4k left a minority of code among the
+        # training requests, and a challenger no better)
         # the live reading after the swap is a mean over verified rows: a few dozen are too few to
         # compare with the static drafter's, so wait for ~100 (an event, bounded by after_timeout_s)
         return cls(before_requests=8, after_requests=12, after_min_forwards=600, after_min_drafted_forwards=100,
@@ -118,7 +119,7 @@ class DemoSettings:
                    promote_margin=0.0,
                    # 8 chat requests hold ~1.2k tokens: the mix is read over fewer; the shift's retrain is the
                    # only one (the loop closes on its swap)
-                   shift_min_tokens=7_500, shift_recent_tokens=500, shift_reference_tokens=1000,
+                   shift_min_tokens=6_000, shift_recent_tokens=500, shift_reference_tokens=1000,
                    shift_train={"max_train_s": "120"}, final_timeout_s=0)
 
 
