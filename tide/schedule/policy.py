@@ -19,7 +19,8 @@ since the shift, with the older traffic as replay).
 are the ``tide.counts`` metadata ingest records in each commit (read from the log, never by
 listing or opening data files), so late data still counts and no clock has to agree with
 another (a shift's count compares commit times with the capture time where the new traffic
-began: clocks that agree to within an ingest batch's seconds, as NTP keeps them). A successful retrain moves the watermark to the table version it reports to have read
+began: clocks that agree to within an ingest batch's seconds, as NTP keeps them). A successful
+retrain moves the watermark to the table version it reports to have read
 (``watermark_after_success``), not to the newest at its launch: commits made while it started up
 were trained on and are not new again.
 """
