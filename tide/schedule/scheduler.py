@@ -186,8 +186,7 @@ class RetrainScheduler:
         if shift is not None and shift.job_id == job.job_id:
             if outcome.succeeded and result.get("status") == RETRAIN_NOTHING_TO_DO:
                 # its window held too little of the new traffic yet (fewer requests than a retrain
-                # trains on, or tokens of the traffic before the shift counted without
-                # shift_window_from_shift): the next launch is the shift's again
+                # trains on): the next launch is the shift's again
                 shift.job_id = shift.launched_at_s = None
                 log.info("retrain %s had too little since the shift (%s); the shift's retrain launches "
                          "again at %d new %s", job.job_id, outcome.reason, self.cfg.shift_min_new_samples,
