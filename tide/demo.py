@@ -89,10 +89,9 @@ class DemoSettings:
     # the scheduler detects the shift from the captured workload mix; its first retrain launches
     # once shift_min_tokens of the new traffic were committed and trains briefly (shift_train:
     # train.* overrides) on what came since the shift, the chat replayed beside it. On a window of a
-    # few dozen requests the data decides, not the optimizer steps: a window of ~16 code requests
-    # gave 1.15x the static drafter's acceptance whatever its passes, ~45 requests ~1.25x at 5 passes
-    # (bench/retrain_variants.py; docs/benchmarks.md, "Retrain settings on a demo window"), so it
-    # waits for more data and takes fewer passes; shorter TTT chains on smaller batches, and it keeps
+    # few dozen requests the data decides, not the optimizer steps (bench/retrain_variants.py;
+    # docs/benchmarks.md, "Retrain settings on a demo window"), so it waits for more of the new
+    # traffic and takes few passes; shorter TTT chains on smaller batches, and it keeps
     # more of its change than the default. Its cap bounds the first swap, not the passes (the swap
     # must come within 3 minutes of the shift)
     shift_min_tokens: int = 11_000

@@ -286,9 +286,8 @@ def test_a_shift_counts_only_what_was_committed_since_its_new_traffic_began(kit,
 
 def test_a_shift_retrain_with_too_little_new_traffic_leaves_the_shift_pending(kit, until):
     """When its window (since the shift) held too few requests to train ("nothing to do": fewer than
-    the retrain's own minimum, or the traffic before the shift counted with a shift's window from the
-    start) the shift is not spent: the next launch is its again, at
-    the shift's threshold, with its settings."""
+    the retrain's own minimum) the shift is not spent: the next launch is its again, at the shift's
+    threshold, with its settings."""
     clock = Clock()
     sc = kit.config(min_new_samples=100_000, cooldown_s=10_000.0, shift_min_new_samples=1000,
                     shift_recent_tokens=500, shift_reference_tokens=2000)
