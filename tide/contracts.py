@@ -22,6 +22,8 @@ DEAD_OVERSIZED = "oversized"  # larger than ingest.max_record_bytes
 # long or not printable UTF-8, integers beyond int32, negative token ids, loss mask not 0/1
 DEAD_INVALID = "invalid"
 DEAD_UNPROCESSABLE = "unprocessable"  # ingest failed on this record unexpectedly (a bug: see the log)
+# the workload of a request captured without a workload tag (the shift's mix, the replay's shares)
+UNTAGGED_WORKLOAD = "untagged"
 
 # --- the retrain command's result file (``tide train --online --result-json``) ---
 RETRAIN_REGISTERED = "registered"  # a challenger version was registered

@@ -156,9 +156,13 @@ class TrainConfig(Section):
     # window is not inherited (on a demo window it kept 0.97 of the old workload's acceptance where
     # warm-starting from the patch kept 0.92; docs/benchmarks.md, "Retrain settings on a demo window")
     rebase_patches: bool = True
-    # older requests replayed per recent training request (0.25 kept 93% of chat acceptance
-    # after a code retrain, 1.0 kept 97%)
+    # older requests replayed per recent training request: what keeps the older workloads'
+    # acceptance while the drafter learns the new one (docs/benchmarks.md)
     replay_ratio: float = 1.0
+    # share the replay evenly among the older requests' workload tags (a tag holding less than
+    # its share gives all it has): a workload served briefly before a shift is not outnumbered
+    # by the new traffic the token cap left out of the recent window
+    replay_by_workload: bool = True
     # requests whose id hashes below this are held out for evaluation, never trained on
     heldout_fraction: float = 0.1
     heldout_max_samples: int = 64  # newest held-out requests of the window that are evaluated

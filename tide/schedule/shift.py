@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tide import metrics
+from tide.contracts import UNTAGGED_WORKLOAD
 from tide.traffic import scrape
 
 log = logging.getLogger(__name__)
 
 MIX, ACCEPT = "workload_mix", "acceptance_drop"
 SIGNALS = (MIX, ACCEPT)
-UNTAGGED = "untagged"
 _ROW_COLUMNS = ["finished_at_s", "workload", "num_tokens"]
 _ACCEPT = metrics.ENGINE_ACCEPT_LENGTH.describe()[0].name
 _INFO = metrics.ENGINE_DRAFTER_INFO.describe()[0].name
@@ -196,7 +196,7 @@ class WorkloadMix:
         except FileNotFoundError:  # vacuumed since the log listed it
             return []
         cols = [data.column(c).to_pylist() for c in _ROW_COLUMNS]
-        return [(float(t), w or UNTAGGED, int(n), f"{path}#{i}") for i, (t, w, n) in enumerate(zip(*cols))]
+        return [(float(t), w or UNTAGGED_WORKLOAD, int(n), f"{path}#{i}") for i, (t, w, n) in enumerate(zip(*cols))]
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,12 @@ columns (ids, times, token counts; never hidden states):
    the newest ``heldout_max_samples`` of them are evaluated;
 4. recent training requests = the rest of the window, newest first up to ``max_train_tokens``;
 5. replay = ``replay_ratio`` x that many requests drawn from every not-held-out request older
-   than the recent ones (before the window, or in it past the token cap) by a seeded hash, a few files at a time (``_replay_sample``: loading them reads a bounded number
-   of files, not the whole past; deterministic for a given seed).
+   than the recent ones (before the window, or in it past the token cap) by a seeded hash, a few
+   files at a time (``_replay_sample``: loading them reads a bounded number of files, not the whole
+   past; deterministic for a given seed). With ``replay_by_workload`` the replay is shared evenly
+   among the workload tags of those older requests (``replay_quotas``; a tag holding less than its
+   share gives all it has and the rest goes to the others): after a shift, the old workload's short
+   history is not outnumbered in the replay by the new traffic the token cap left out.
 ``load_window`` then streams only the files holding chosen requests through ``DatasetReader``
 and keeps the chosen ones as trainer ``Sample``s in bfloat16 (what was stored); with a
 ``spill_dir`` (online retrains) their hidden states go to a local file instead of memory and are
@@ -36,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tide.contracts import UNTAGGED_WORKLOAD
 from tide.dataset.location import Location
 from tide.dataset.reader import DatasetReader
 from tide.dataset.reader import Sample as DatasetSample
@@ -45,7 +50,7 @@ from tide.train.spill import StateFile
 from tide.train.trainer import Sample
 
 _CATALOG_COLUMNS = ["request_id", "target_model_id", "finished_at_s", "num_tokens", "chunk_index",
-                    "chunk_count", "loss_mask"]
+                    "chunk_count", "loss_mask", "workload"]
 
 
 def unit_hash(key: str, salt: str) -> float:
@@ -72,6 +77,7 @@ class WindowSpec:
     window_s: float = 0.0
     window_since_s: float = 0.0
     replay_ratio: float = 0.25
+    replay_by_workload: bool = False  # TrainConfig turns it on
     heldout_fraction: float = 0.1
     heldout_max_samples: int = 64
     min_heldout_samples: int = 2
@@ -87,7 +93,8 @@ class WindowSpec:
                     until_s: float | None = None, version: int | None = None) -> "WindowSpec":
         return cls(window_samples=train_cfg.window_samples, window_s=train_cfg.window_s,
                    window_since_s=train_cfg.window_since_s,
-                   replay_ratio=train_cfg.replay_ratio, heldout_fraction=train_cfg.heldout_fraction,
+                   replay_ratio=train_cfg.replay_ratio, replay_by_workload=train_cfg.replay_by_workload,
+                   heldout_fraction=train_cfg.heldout_fraction,
                    heldout_max_samples=train_cfg.heldout_max_samples,
                    min_heldout_samples=train_cfg.min_heldout_samples,
                    max_train_tokens=train_cfg.max_train_tokens, max_seq_len=train_cfg.max_seq_len,
@@ -105,6 +112,7 @@ class RequestEntry:
     tokens: int = 0
     generated: int = 0
     chunk_count: int = 1
+    workload: str = UNTAGGED_WORKLOAD
     chunks: set[int] = field(default_factory=set)
     files: set[DataFile] = field(default_factory=set)
 
@@ -126,6 +134,7 @@ class WindowPlan:
     heldout_tokens: int
     heldout_generated: int
     files: dict[str, list[DataFile]] = field(default_factory=dict, repr=False)
+    replay_workloads: str = ""  # "chat:43,code:147": replayed requests by workload tag
     data_version: int | None = None  # the table version read (None: no table yet)
     data_uri: str = ""
 
@@ -140,7 +149,7 @@ class WindowPlan:
             "catalog_requests": self.catalog_requests, "window_requests": self.window_requests,
             "recent_requests": len(self.recent), "replay_requests": len(self.replay),
             "heldout_requests": len(self.heldout), "heldout_in_window": self.heldout_in_window,
-            "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
+            "replay_workloads": self.replay_workloads, "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
             "heldout_tokens": self.heldout_tokens, "heldout_generated_tokens": self.heldout_generated,
             "data_table_version": self.data_version, "data_table_uri": self.data_uri,
         }
@@ -176,7 +185,8 @@ def catalog(table: DatasetTable, version: int | None, target_model: str | None =
             t = columns["finished_at_s"][i]
             if until_s is not None and t >= until_s:
                 continue
-            entry = entries.setdefault(rid, RequestEntry(rid, t, chunk_count=columns["chunk_count"][i]))
+            entry = entries.setdefault(rid, RequestEntry(rid, t, chunk_count=columns["chunk_count"][i],
+                                                         workload=columns["workload"][i] or UNTAGGED_WORKLOAD))
             chunk = columns["chunk_index"][i]
             entry.files.add(data_file)
             if chunk in entry.chunks:  # a duplicate delivery: count its tokens once
@@ -233,7 +243,8 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
     # its older part as replay instead of dropping it (a code-only recent set still sees the chat)
     pool = [e for e in entries[:first_recent] if e.request_id not in held]
     n_replay = min(len(pool), int(math.floor(spec.replay_ratio * len(recent) + 0.5)))
-    replay = _replay_sample(pool, n_replay, spec.seed)
+    replay = _replay_by_workload(pool, n_replay, spec.seed) if spec.replay_by_workload else \
+        _replay_sample(pool, n_replay, spec.seed)
     chosen = {"recent": recent, "replay": replay, "heldout": evaluated}
     return WindowPlan(
         recent=[e.request_id for e in recent], replay=[e.request_id for e in replay],
@@ -244,9 +255,42 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
         recent_tokens=recent_tokens, replay_tokens=sum(cost(e) for e in replay),
         heldout_tokens=sum(cost(e) for e in evaluated),
         heldout_generated=sum(e.generated for e in evaluated),
+        replay_workloads=",".join(f"{w}:{n}" for w, n in sorted(_count_by_workload(replay).items())),
         files={role: sorted({f for e in group for f in e.files}, key=lambda f: f.path)
                for role, group in chosen.items()},
         data_version=version, data_uri=table.uri)
+
+
+def replay_quotas(available: dict[str, int], n: int) -> dict[str, int]:
+    """``n`` replayed requests shared evenly among workloads, none given more than it holds.
+
+    Water-filling: the smallest workloads are served first; what one cannot fill goes to the rest.
+    ``{"chat": 43, "code": 400}, 190 -> {"chat": 43, "code": 147}``.
+    """
+    quotas, left = {}, min(n, sum(available.values()))
+    ordered = sorted(available, key=lambda w: (available[w], w))
+    for i, workload in enumerate(ordered):
+        share = left // (len(ordered) - i) + (1 if left % (len(ordered) - i) else 0)
+        quotas[workload] = min(available[workload], share)
+        left -= quotas[workload]
+    return quotas
+
+
+def _count_by_workload(entries: list[RequestEntry]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for e in entries:
+        counts[e.workload] = counts.get(e.workload, 0) + 1
+    return counts
+
+
+def _replay_by_workload(pool: list[RequestEntry], n: int, seed: int) -> list[RequestEntry]:
+    """``n`` older requests, each workload tag's quota drawn from its own requests as ``_replay_sample`` draws."""
+    by_workload: dict[str, list[RequestEntry]] = {}
+    for e in pool:
+        by_workload.setdefault(e.workload, []).append(e)
+    quotas = replay_quotas({w: len(es) for w, es in by_workload.items()}, n)
+    chosen = [e for w, es in by_workload.items() for e in _replay_sample(es, quotas[w], seed)]
+    return sorted(chosen, key=lambda e: (e.finished_at_s, e.request_id))
 
 
 def _replay_sample(pool: list[RequestEntry], n: int, seed: int) -> list[RequestEntry]:

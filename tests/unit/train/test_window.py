@@ -6,7 +6,7 @@ import torch
 
 from tide.train.capture_log import log_samples
 from tide.train.trainer import Sample
-from tide.train.window import WindowSpec, heldout_score, load_window, plan_window
+from tide.train.window import WindowSpec, heldout_score, load_window, plan_window, replay_quotas
 
 H = 8
 T0 = 1_700_000_000.0
@@ -86,6 +86,29 @@ def test_a_window_cut_by_the_token_cap_replays_its_older_part(dataset):
     assert len(plan.replay) == 2 * len(plan.recent) and not set(plan.replay) & set(plan.recent)
     assert any(r.startswith("chat") for r in plan.replay)
     assert all(heldout_score(r) >= 0.2 for r in plan.replay)
+
+
+def test_replay_by_workload_shares_the_replay_evenly_among_older_workloads(dataset):
+    """Older than the newest 12 code requests: 100 chat and 48 code; a replay of twice the recent
+    requests by workload is half chat, half code, whatever their numbers in the pool."""
+    data_dir, _, _ = dataset
+    spec = WindowSpec(window_samples=12, replay_ratio=2.0, heldout_fraction=0.2, target_model="org/m",
+                      replay_by_workload=True)
+    plan = plan_window(data_dir, spec)
+    chat = [r for r in plan.replay if r.startswith("chat")]
+    code = [r for r in plan.replay if r.startswith("code")]
+    assert len(plan.replay) == 2 * len(plan.recent) and abs(len(chat) - len(code)) <= 1
+    assert plan.replay_workloads == f"chat:{len(chat)},code:{len(code)}"
+    assert not set(plan.replay) & set(plan.recent) and all(heldout_score(r) >= 0.2 for r in plan.replay)
+    assert plan == plan_window(data_dir, spec)  # deterministic
+
+
+def test_replay_quotas_give_a_small_workload_all_it_has_and_the_rest_to_the_others():
+    assert replay_quotas({"chat": 43, "code": 400}, 190) == {"chat": 43, "code": 147}
+    assert replay_quotas({"a": 10, "b": 10}, 5) in ({"a": 3, "b": 2}, {"a": 2, "b": 3})
+    assert replay_quotas({"a": 3, "b": 50, "c": 50}, 30) == {"a": 3, "b": 14, "c": 13}
+    assert replay_quotas({"a": 3, "b": 4}, 100) == {"a": 3, "b": 4}  # the pool is smaller than asked
+    assert replay_quotas({}, 10) == {} and replay_quotas({"a": 5}, 0) == {"a": 0}
 
 
 def test_heldout_topped_up_from_older_heldout_requests(dataset):
