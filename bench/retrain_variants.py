@@ -5,7 +5,8 @@ what trades one for the other is the retrain's settings (rate, passes, ``train.a
 replays one real retrain window under several settings:
 1. the window: a finished demo's home (``--home <TIDE_HOME>/demo``): its config
    (``run/tide.yaml``), its Parquet dataset, and the window its first retrain trained on (the
-   smallest ``window_end_s`` in its MLflow store; ``--until`` overrides);
+   smallest ``window_end_s`` in its MLflow store; ``--until`` overrides; ``--version`` pins the table
+   version a retrain read, its ``data_table_version``, so the window is exactly that retrain's);
 2. per variant (``--variant name:key=value,...``, keys of ``train.*``): the parent (default: the
    packaged static drafter) retrained on that window as ``tide train --online`` trains it (the
    home's ``train.*`` with the variant's overrides, its time cap, 1 torch thread), weights rounded
@@ -92,13 +93,16 @@ def first_retrain_until(cfg) -> float:
     return min(ends)
 
 
-def retrain(cfg, parent, target, overrides: dict, until_s: float, spill: Path):
+def retrain(cfg, parent, target, overrides: dict, until_s: float | None, spill: Path, version: int | None = None):
     """The parent retrained on the window as the online retrain does (the home's ``train.*`` with
     ``overrides``, validated as config); returns (candidate as trained, its update fraction, steps,
     train s, training requests)."""
     cfg = replace(cfg, train=replace(cfg.train, **overrides))
     tc = cfg.train
-    data = load_window(data_dir_of(cfg), plan_for(cfg, until_s), tc.train_on_prompt, tc.max_seq_len, spill_dir=spill)
+    plan = plan_for(cfg, until_s, version)
+    print(f"window: {len(plan.recent)} recent + {len(plan.replay)} replayed requests ({plan.replay_workloads}), "
+          f"table version {plan.data_version}", flush=True)
+    data = load_window(data_dir_of(cfg), plan, tc.train_on_prompt, tc.max_seq_len, spill_dir=spill)
     try:
         cand = copy.deepcopy(parent)
         t0 = time.monotonic()
@@ -150,6 +154,7 @@ def main() -> int:
     ap.add_argument("--parent", default=None, help="drafter folder (default: the packaged static drafter)")
     ap.add_argument("--reference", default=None, help="drafter folder the ratios are over (default: the parent)")
     ap.add_argument("--until", type=float, default=None, help="window end, unix s (default: the first retrain's)")
+    ap.add_argument("--version", type=int, default=None, help="the table version to read (a retrain's data_table_version)")
     ap.add_argument("--before", default="chat")
     ap.add_argument("--after", default="code")
     ap.add_argument("--prompts", type=int, default=24)
@@ -182,10 +187,12 @@ def main() -> int:
         trained.append(("candidate", load_drafter(Path(args.candidate), spec), fractions or [1.0],
                         {"folder": args.candidate, "steps": "-", "train_s": "-"}))
     if variants:
-        out["until_s"] = until_s = args.until or first_retrain_until(cfg)
+        # a pinned version is the retrain's window as it read it: no time bound unless one is given
+        out["until_s"] = until_s = args.until or (None if args.version is not None else first_retrain_until(cfg))
+        out["data_table_version"] = args.version
     for name, overrides in variants:
         spill = Path(cfg.home) / "bench-spill" / name
-        cand, own, steps, train_s, n_train = retrain(cfg, parent, target, overrides, until_s, spill)
+        cand, own, steps, train_s, n_train = retrain(cfg, parent, target, overrides, until_s, spill, args.version)
         trained.append((name, cand, fractions or [own], {"overrides": overrides, "steps": steps,
                                                          "train_s": round(train_s, 1), "train_requests": n_train}))
     for name, cand, fracs, info in trained:
