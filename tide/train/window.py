@@ -134,7 +134,7 @@ class WindowPlan:
     heldout_tokens: int
     heldout_generated: int
     files: dict[str, list[DataFile]] = field(default_factory=dict, repr=False)
-    replay_workloads: str = ""  # "chat:43,code:147": replayed requests by workload tag
+    replay_workloads: str = ""  # "code:147,chat:43": replayed requests by workload tag (describe_counts)
     data_version: int | None = None  # the table version read (None: no table yet)
     data_uri: str = ""
 
@@ -149,7 +149,8 @@ class WindowPlan:
             "catalog_requests": self.catalog_requests, "window_requests": self.window_requests,
             "recent_requests": len(self.recent), "replay_requests": len(self.replay),
             "heldout_requests": len(self.heldout), "heldout_in_window": self.heldout_in_window,
-            "replay_workloads": self.replay_workloads, "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
+            "replay_workloads": self.replay_workloads,
+            "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
             "heldout_tokens": self.heldout_tokens, "heldout_generated_tokens": self.heldout_generated,
             "data_table_version": self.data_version, "data_table_uri": self.data_uri,
         }
@@ -255,7 +256,7 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
         recent_tokens=recent_tokens, replay_tokens=sum(cost(e) for e in replay),
         heldout_tokens=sum(cost(e) for e in evaluated),
         heldout_generated=sum(e.generated for e in evaluated),
-        replay_workloads=",".join(f"{w}:{n}" for w, n in sorted(_count_by_workload(replay).items())),
+        replay_workloads=describe_counts(_count_by_workload(replay)),
         files={role: sorted({f for e in group for f in e.files}, key=lambda f: f.path)
                for role, group in chosen.items()},
         data_version=version, data_uri=table.uri)
@@ -274,6 +275,18 @@ def replay_quotas(available: dict[str, int], n: int) -> dict[str, int]:
         quotas[workload] = min(available[workload], share)
         left -= quotas[workload]
     return quotas
+
+
+def describe_counts(counts: dict[str, int], max_chars: int = 500) -> str:
+    """``"chat:45,code:142"``, largest first, cut to ``max_chars`` with how many tags it left out
+    (a lineage parameter: MLflow refuses long values, and a retrain must not fail on many tags)."""
+    text, parts = "", sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    for i, (workload, n) in enumerate(parts):
+        item = f"{',' if text else ''}{workload}:{n}"
+        if len(text) + len(item) > max_chars - 16:
+            return f"{text},+{len(parts) - i} more"
+        text += item
+    return text
 
 
 def _count_by_workload(entries: list[RequestEntry]) -> dict[str, int]:

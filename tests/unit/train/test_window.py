@@ -6,7 +6,7 @@ import torch
 
 from tide.train.capture_log import log_samples
 from tide.train.trainer import Sample
-from tide.train.window import WindowSpec, heldout_score, load_window, plan_window, replay_quotas
+from tide.train.window import WindowSpec, describe_counts, heldout_score, load_window, plan_window, replay_quotas
 
 H = 8
 T0 = 1_700_000_000.0
@@ -98,7 +98,7 @@ def test_replay_by_workload_shares_the_replay_evenly_among_older_workloads(datas
     chat = [r for r in plan.replay if r.startswith("chat")]
     code = [r for r in plan.replay if r.startswith("code")]
     assert len(plan.replay) == 2 * len(plan.recent) and abs(len(chat) - len(code)) <= 1
-    assert plan.replay_workloads == f"chat:{len(chat)},code:{len(code)}"
+    assert plan.replay_workloads == describe_counts({"chat": len(chat), "code": len(code)})
     assert not set(plan.replay) & set(plan.recent) and all(heldout_score(r) >= 0.2 for r in plan.replay)
     assert plan == plan_window(data_dir, spec)  # deterministic
 
@@ -109,6 +109,12 @@ def test_replay_quotas_give_a_small_workload_all_it_has_and_the_rest_to_the_othe
     assert replay_quotas({"a": 3, "b": 50, "c": 50}, 30) == {"a": 3, "b": 14, "c": 13}
     assert replay_quotas({"a": 3, "b": 4}, 100) == {"a": 3, "b": 4}  # the pool is smaller than asked
     assert replay_quotas({}, 10) == {} and replay_quotas({"a": 5}, 0) == {"a": 0}
+
+
+def test_replayed_workloads_are_described_largest_first_within_a_bound():
+    assert describe_counts({"chat": 45, "code": 142}) == "code:142,chat:45"
+    many = describe_counts({f"tenant-{i:03d}": 1000 - i for i in range(200)})
+    assert len(many) <= 500 and many.startswith("tenant-000:1000,") and many.endswith(" more")
 
 
 def test_heldout_topped_up_from_older_heldout_requests(dataset):
