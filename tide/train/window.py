@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,7 +257,7 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
         recent_tokens=recent_tokens, replay_tokens=sum(cost(e) for e in replay),
         heldout_tokens=sum(cost(e) for e in evaluated),
         heldout_generated=sum(e.generated for e in evaluated),
-        replay_workloads=describe_counts(_count_by_workload(replay)),
+        replay_workloads=describe_counts(Counter(e.workload for e in replay)),
         files={role: sorted({f for e in group for f in e.files}, key=lambda f: f.path)
                for role, group in chosen.items()},
         data_version=version, data_uri=table.uri)
@@ -271,33 +272,27 @@ def replay_quotas(available: dict[str, int], n: int) -> dict[str, int]:
     quotas, left = {}, min(n, sum(available.values()))
     ordered = sorted(available, key=lambda w: (available[w], w))
     for i, workload in enumerate(ordered):
-        share = left // (len(ordered) - i) + (1 if left % (len(ordered) - i) else 0)
+        share = -(-left // (len(ordered) - i))  # ceil: the remainder goes to the smaller workloads first
         quotas[workload] = min(available[workload], share)
         left -= quotas[workload]
     return quotas
 
 
 def describe_counts(counts: dict[str, int], max_chars: int = 500) -> str:
-    """``"chat:45,code:142"``, largest first, cut to ``max_chars`` with how many tags it left out
+    """``"code:142,chat:45"``, largest first, cut to ``max_chars`` with how many tags it left out
     (a lineage parameter: MLflow refuses long values, and a retrain must not fail on many tags)."""
     text, parts = "", sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     for i, (workload, n) in enumerate(parts):
         item = f"{',' if text else ''}{workload}:{n}"
         if len(text) + len(item) > max_chars - 16:
-            return f"{text},+{len(parts) - i} more"
+            return f"{text}{',' if text else ''}+{len(parts) - i} more"
         text += item
     return text
 
 
-def _count_by_workload(entries: list[RequestEntry]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for e in entries:
-        counts[e.workload] = counts.get(e.workload, 0) + 1
-    return counts
-
-
 def _replay_by_workload(pool: list[RequestEntry], n: int, seed: int) -> list[RequestEntry]:
-    """``n`` older requests, each workload tag's quota drawn from its own requests as ``_replay_sample`` draws."""
+    """``n`` older requests, each workload tag's quota drawn from its own requests as ``_replay_sample``
+    draws (so a load reads up to 4 files per tag with requests in the replay, not 4 in all)."""
     by_workload: dict[str, list[RequestEntry]] = {}
     for e in pool:
         by_workload.setdefault(e.workload, []).append(e)

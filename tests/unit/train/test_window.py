@@ -115,6 +115,7 @@ def test_replayed_workloads_are_described_largest_first_within_a_bound():
     assert describe_counts({"chat": 45, "code": 142}) == "code:142,chat:45"
     many = describe_counts({f"tenant-{i:03d}": 1000 - i for i in range(200)})
     assert len(many) <= 500 and many.startswith("tenant-000:1000,") and many.endswith(" more")
+    assert describe_counts({"a-long-tag-name": 3}, max_chars=20) == "+1 more" and describe_counts({}) == ""
 
 
 def test_heldout_topped_up_from_older_heldout_requests(dataset):
