@@ -30,8 +30,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     if args.online:
+        from tide.train.distributed import exit_rank
         from tide.train.online import run_cli
-        return run_cli(cfg, args.result_json, progress=sys.stderr.isatty(), summary_json=args.summary_json)
+        # under torchrun a rank leaves through exit_rank: its group must not meet interpreter shutdown
+        return exit_rank(run_cli(cfg, args.result_json, progress=sys.stderr.isatty(),
+                                 summary_json=args.summary_json))
     if args.export_specforge:
         from tide.train.online import export_window
         manifest = export_window(cfg, Path(args.export_specforge))

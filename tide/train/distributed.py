@@ -12,7 +12,10 @@ steps as the others or the gradient all-reduce hangs. The backend is gloo on CPU
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +101,24 @@ def share(ranks: Ranks, obj):
     box = [obj if ranks.is_main else None]
     dist.broadcast_object_list(box, 0)
     return box[0]
+
+
+def exit_rank(code: int):
+    """End a process that joined a process group with exit ``code``, without interpreter shutdown.
+
+    Why: DDP keeps its group alive after ``destroy_process_group`` (its reducer holds it), and a
+    group's worker thread may still be releasing a finished collective's tensors, which takes the
+    GIL; at interpreter shutdown such a thread is stopped inside a C++ destructor and the process
+    aborts (SIGABRT) though every collective finished. So: leave the group, run the exit handlers
+    and flush here, then ``os._exit``. A process without a group returns ``code``.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return code
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what shutdown would run (MLflow's and logging's flushes among them)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from tide.drafter.artifact import load_drafter, save_drafter
 from tide.drafter.model import Eagle3Drafter
 from tide.process import free_port
-from tide.train.distributed import Ranks
+from tide.train.distributed import Ranks, exit_rank
 from tide.train.generation_pool import load_samples, save_samples
 from tide.train.trainer import Sample, TrainResult, prepare, train
 
@@ -64,11 +65,15 @@ def _run_rank(rank: int, world: int, port: int, scratch: str, kwargs: dict) -> N
     heads = load_file(str(folder / "heads.safetensors"))
     samples = load_samples(folder / "samples.safetensors")
     _join(rank, world, port)
+    code = 1
     try:
         train(drafter, heads["embed"], heads["lm_head"], samples, ranks=Ranks(rank, world, rank), progress=False,
               **kwargs)
+        code = 0
+    except Exception:
+        traceback.print_exc()  # rank 0 reports the exit code and points here
     finally:
-        _leave()
+        exit_rank(code)
 
 
 def train_ranked(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],

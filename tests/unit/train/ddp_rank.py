@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from tide.train.distributed import init_group, ranks_from_env
+from tide.train.distributed import exit_rank, init_group, ranks_from_env
 from tide.train.trainer import train
 
 
@@ -19,10 +19,7 @@ def main(case: str, out: str) -> None:
     if ranks.is_main:
         torch.save({"state": drafter.state_dict(), "loss_curve": result.loss_curve,
                     "tokens_seen": result.tokens_seen, "steps": result.steps}, out)
-    # leave together: a rank tearing gloo down while its peer still writes its result was seen to
-    # abort ("terminate called without an active exception") on a loaded machine
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    exit_rank(0)  # as tide train --online does under torchrun
 
 
 if __name__ == "__main__":

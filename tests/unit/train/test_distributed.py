@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from tests.unit.train.test_trainer import _samples
-from tide.train.distributed import Ranks, step_groups
+from tide.process import free_port
+from tide.train.distributed import Ranks, exit_rank, step_groups
 from tide.train.trainer import train
 
 REPO = Path(__file__).resolve().parents[3]
@@ -22,6 +23,33 @@ def test_step_groups_give_each_rank_its_share_and_drop_the_remainder():
     assert step_groups(order, Ranks(0, 2)) == [[5], [0], [1]]
     assert step_groups(order, Ranks(1, 2)) == [[3], [4], [2]]
     assert step_groups(order, Ranks(), accumulate=2) == [[5, 3], [0, 4], [1, 2]]
+
+
+EXITING_RANK = """
+import atexit, sys, torch, torch.distributed as dist
+from tide.train.distributed import exit_rank
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 3))
+model(torch.ones(2, 3)).sum().backward()
+atexit.register(lambda: open(sys.argv[2], "w").write("handlers ran"))
+print("trained", flush=False)
+exit_rank(3)
+print("not reached")
+"""
+
+
+def test_a_rank_in_a_group_exits_with_its_code_after_the_exit_handlers_and_flushed_output(tmp_path):
+    marker = tmp_path / "atexit.txt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", EXITING_RANK, f"tcp://127.0.0.1:{free_port()}", str(marker)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["trained"]  # flushed though buffered into a pipe; nothing after
+    assert marker.read_text() == "handlers ran"
+
+
+def test_a_process_without_a_group_gets_its_code_back():
+    assert exit_rank(5) == 5
 
 
 def test_two_gloo_ranks_match_one_process_accumulating_the_same_batches(tiny_target, tiny_drafter, tmp_path):
