@@ -134,6 +134,10 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
                 "champion_replayed_accept_length"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     assert float(tags["tide.sim_accept_length"]) == pytest.approx(metrics["candidate_sim_accept_length"], abs=1e-4)
+    # by workload tag: this window's requests carry none, so one group, the whole held-out slice
+    assert metrics["heldout_positions.untagged"] == metrics["heldout_positions"] > 0
+    for who in ("candidate", "champion"):
+        assert metrics[f"{who}_sim_accept_length.untagged"] == pytest.approx(metrics[f"{who}_sim_accept_length"])
     # memory per phase of the retrain (tide/train/memory.py), each within the process peak
     phases = ("plan", "target", "window", "eval_parent", "teacher", "train", "eval_candidate", "register")
     assert metrics["peak_rss_gib_exact"] == 1.0

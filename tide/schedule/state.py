@@ -194,5 +194,13 @@ def jobs_report(state_path: str | Path, shift_at_s: float | None = None) -> list
             "train_tokens": m.get("train_tokens_seen"), "recent_requests": m.get("recent_requests"),
             "replay_requests": m.get("replay_requests"), "cpu_s": cpu_s, "cpus": m.get("cpus"),
             "machine_share": None if cpu_s is None else round(cpu_s / max(1e-9, wall_s * (os.cpu_count() or 1)), 3),
-            "sim_accept": [m.get("champion_sim_accept_length"), m.get("candidate_sim_accept_length")]})
+            "sim_accept": [m.get("champion_sim_accept_length"), m.get("candidate_sim_accept_length")],
+            "sim_accept_by_workload": _by_workload(m)})
     return out
+
+
+def _by_workload(metrics: dict) -> dict[str, list]:
+    """{tag: [champion, candidate, held-out positions]} from a retrain's per-workload metrics."""
+    tags = [k.split(".", 1)[1] for k in metrics if k.startswith("heldout_positions.")]
+    return {t: [metrics.get(f"champion_sim_accept_length.{t}"), metrics.get(f"candidate_sim_accept_length.{t}"),
+                metrics[f"heldout_positions.{t}"]] for t in tags}

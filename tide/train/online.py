@@ -120,7 +120,16 @@ def _eval_metrics(prefix: str, ev) -> dict[str, float]:
     out = {f"{prefix}_sim_accept_length": ev.accept_length, f"{prefix}_heldout_loss": ev.loss,
            f"{prefix}_replayed_accept_length": ev.replayed_accept_length}
     out.update({f"{prefix}_accept_rate_pos{i}": r for i, r in enumerate(ev.position_rates)})
+    # per workload tag: what a candidate gains on the new traffic and gives up on the old; at most
+    # heldout_max_samples tags, and tags ([A-Za-z0-9_.:-]) are valid in MLflow's metric names
+    out.update({f"{prefix}_sim_accept_length.{tag}": acc for tag, (acc, _) in ev.by_group.items()})
     return out
+
+
+def _by_workload(baseline, after) -> str:
+    """"chat 2.31->2.25 (140), code 1.90->2.62 (2210)": champion -> candidate (held-out positions)."""
+    return ", ".join(f"{tag} {baseline.by_group[tag][0]:.2f}->{acc:.2f} ({n})"
+                     for tag, (acc, n) in sorted(after.by_group.items(), key=lambda kv: -kv[1][1]))
 
 
 @dataclass
@@ -252,7 +261,8 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
     device = start(cfg)
     embed, head = inputs.target.embed_weight, inputs.target.lm_head_weight
     eval_kw = dict(gamma=cfg.spec.draft_len, ttt_length=tc.ttt_length, step_weight=tc.step_weight_decay,
-                   max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens, device=device)
+                   max_len=tc.max_seq_len, batch_tokens=tc.batch_tokens, device=device,
+                   groups=data.heldout_workloads)
     t_eval = time.monotonic()
     with memory.phase("eval_parent"):
         before = evaluate(inputs.champion, embed, head, data.heldout, **eval_kw)
@@ -285,6 +295,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
                **(_eval_metrics("parent", before) if inputs.baseline is not None else {}),
                "accept_length_gain": after.accept_length - baseline.accept_length,
                "heldout_positions": after.positions, "train_steps": trained.steps,
+               **{f"heldout_positions.{tag}": n for tag, (_, n) in after.by_group.items()},
                "train_wall_s": trained.wall_s, "train_tokens_seen": trained.tokens_seen,
                "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),
                "train_ranks": current_ranks().world, "train_on_gpu": int(device.type == "cuda"),
@@ -292,8 +303,8 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
                "eval_s": eval_s, **confidence, **memory.metrics()}
     run.log_series("train_loss", trained.loss_curve)
     run.log_series("train_step0_acc", trained.step0_acc_curve)
-    log.info("retrain: sim accept length %.3f (champion) -> %.3f on %d held-out positions",
-             baseline.accept_length, after.accept_length, after.positions)
+    log.info("retrain: sim accept length %.3f (champion) -> %.3f on %d held-out positions; by workload: %s",
+             baseline.accept_length, after.accept_length, after.positions, _by_workload(baseline, after))
     return _Trained(before, baseline, after, trained.loss_curve, metrics)
 
 

@@ -80,6 +80,8 @@ class EvalResult:
     # the same chains stepped as greedy decoding steps them (no stop rule): what serving sees; the
     # average above weighs easy stretches more (bench/sim_replay.py)
     replayed_accept_length: float = 1.0
+    # per group of samples (``evaluate(groups=...)``: the workload tags): (accept length, positions)
+    by_group: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 def make_batches(samples: list[Sample], batch_tokens: int, max_len: int) -> list[list[Sample]]:
@@ -273,27 +275,38 @@ class _Loss(torch.nn.Module):
 @torch.no_grad()
 def evaluate(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, samples: list[Sample],
              gamma: int, ttt_length: int | None = None, step_weight: float = 0.8, max_len: int = 1024,
-             batch_tokens: int = 4096, device: torch.device | None = None) -> EvalResult:
+             batch_tokens: int = 4096, device: torch.device | None = None,
+             groups: list[str] | None = None) -> EvalResult:
     """Simulated greedy acceptance length and loss on held-out samples (weighted by positions),
-    in fp32 on ``device`` (default CPU; the drafter is left on the CPU).
+    in fp32 on ``device`` (default CPU; the drafter is left on the CPU); with ``groups`` (one name
+    per sample) also each group's acceptance length, from the same pass.
 
     The loss unrolls ``ttt_length`` steps (default: ``gamma``, the steps acceptance counts)."""
     device = device or torch.device("cpu")
+    if groups is not None and len(groups) != len(samples):
+        raise ValueError(f"{len(groups)} group names for {len(samples)} samples")
     try:
         return _evaluate(drafter.to(device).eval(), embed.to(device), lm_head.to(device), samples, gamma,
-                         ttt_length, step_weight, max_len, batch_tokens, device)
+                         ttt_length, step_weight, max_len, batch_tokens, device, groups)
     finally:
         drafter.to("cpu")
 
 
 def _evaluate(drafter, embed, lm_head, samples, gamma, ttt_length, step_weight, max_len, batch_tokens,
-              device) -> EvalResult:
+              device, groups=None) -> EvalResult:
     prepare(samples, drafter, lm_head)
     n_total, acc_sum, rate_sums, loss_sum, loss_batches = 0, 0.0, [0.0] * gamma, 0.0, 0
     replay_tokens, replay_steps = 0, 0
+    names = sorted(set(groups or ()))
+    group_of = {id(s): names.index(g) for s, g in zip(samples, groups or ())}  # batches reorder the samples
+    group_acc, group_n = torch.zeros(len(names), dtype=torch.float64), torch.zeros(len(names), dtype=torch.float64)
     for group in make_batches(samples, batch_tokens, max_len):
         batch = to_device(collate(group, max_len), device)
         rows, accepted, counted = chain_lengths(drafter, embed, lm_head, batch, gamma)
+        if names:  # a chain's accepted count is its 1[accepted > i] summed over depths i < gamma
+            row_group = torch.tensor([group_of[id(s)] for s in group])[rows.b.cpu()][counted.cpu()]
+            group_acc += torch.bincount(row_group, accepted.cpu()[counted.cpu()].double(), len(names))
+            group_n += torch.bincount(row_group, minlength=len(names)).double()
         acc, rates, n = average_chain(accepted, counted, gamma)
         tokens, steps = replay_chains(rows, accepted, counted)
         loss, _, _ = eagle3_loss(drafter, embed, lm_head, batch, ttt_length or gamma, step_weight)
@@ -305,5 +318,7 @@ def _evaluate(drafter, embed, lm_head, samples, gamma, ttt_length, step_weight, 
         loss_batches += 1
     if n_total == 0:
         return EvalResult(1.0, tuple([0.0] * gamma), float("nan"), 0)
+    by_group = {g: (1.0 + float(group_acc[i] / max(1.0, float(group_n[i]))), int(group_n[i]))
+                for i, g in enumerate(names)}
     return EvalResult(1.0 + acc_sum / n_total, tuple(r / n_total for r in rate_sums),
-                      loss_sum / max(1, loss_batches), n_total, replay_tokens / max(1, replay_steps))
+                      loss_sum / max(1, loss_batches), n_total, replay_tokens / max(1, replay_steps), by_group)

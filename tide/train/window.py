@@ -136,6 +136,7 @@ class WindowPlan:
     heldout_generated: int
     files: dict[str, list[DataFile]] = field(default_factory=dict, repr=False)
     replay_workloads: str = ""  # "code:147,chat:43": replayed requests by workload tag (describe_counts)
+    heldout_workloads: dict[str, str] = field(default_factory=dict, repr=False)  # held-out id -> workload tag
     data_version: int | None = None  # the table version read (None: no table yet)
     data_uri: str = ""
 
@@ -258,6 +259,7 @@ def plan_window(data_dir: str | Path | Location, spec: WindowSpec) -> WindowPlan
         heldout_tokens=sum(cost(e) for e in evaluated),
         heldout_generated=sum(e.generated for e in evaluated),
         replay_workloads=describe_counts(Counter(e.workload for e in replay)),
+        heldout_workloads={e.request_id: e.workload for e in evaluated},
         files={role: sorted({f for e in group for f in e.files}, key=lambda f: f.path)
                for role, group in chosen.items()},
         data_version=version, data_uri=table.uri)
@@ -358,6 +360,7 @@ class WindowData:
     heldout_tokens: int
     missing: int  # planned requests that could not be read (e.g. deleted by retention meanwhile)
     store: StateFile | None = None  # where the samples' states are, when spilled
+    heldout_workloads: list[str] = field(default_factory=list)  # each held-out sample's workload tag
 
     def close(self) -> None:
         if self.store is not None:
@@ -377,7 +380,9 @@ def load_window(data_dir: str | Path | Location, plan: WindowPlan, train_on_prom
         held = sample.request_id in held_ids
         found[sample.request_id] = to_trainer_sample(sample, train_on_prompt and not held, max_seq_len, store)
     train = [found[r] for r in plan.train_ids if r in found]
-    heldout = [found[r] for r in plan.heldout if r in found]
+    read = [r for r in plan.heldout if r in found]
+    heldout = [found[r] for r in read]
     return WindowData(train=train, heldout=heldout, train_tokens=sum(len(s) for s in train),
                       heldout_tokens=sum(len(s) for s in heldout),
-                      missing=len(train_ids | held_ids) - len(found), store=store)
+                      missing=len(train_ids | held_ids) - len(found), store=store,
+                      heldout_workloads=[plan.heldout_workloads.get(r, UNTAGGED_WORKLOAD) for r in read])

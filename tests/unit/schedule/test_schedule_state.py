@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateError, StateStore
+from tide.schedule.state import FinishedJob, RunningJob, SchedulerState, StateError, StateStore, jobs_report
 
 
 def test_round_trip_keeps_everything(tmp_path):
@@ -83,3 +83,18 @@ def test_transaction_excludes_another_process(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_jobs_report_gives_each_retrain_its_held_out_acceptance_by_workload(tmp_path):
+    store = StateStore(tmp_path / "state.json")
+    with store.transaction() as state:
+        state.history = [FinishedJob("j1", "local", 100.0, 160.0, "succeeded", "exit 0", 5, 99, 0, "3", "run-1")]
+    metrics = {"champion_sim_accept_length": 2.0, "candidate_sim_accept_length": 2.4,
+               "champion_sim_accept_length.chat": 2.3, "candidate_sim_accept_length.chat": 2.2,
+               "heldout_positions.chat": 140, "champion_sim_accept_length.ko:support": 1.5,
+               "candidate_sim_accept_length.ko:support": 2.5, "heldout_positions.ko:support": 2210}
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "j1.result.json").write_text(json.dumps({"status": "registered", "metrics": metrics}))
+    [job] = jobs_report(store.path, shift_at_s=40.0)
+    assert job["sim_accept"] == [2.0, 2.4] and job["launched_after_shift_s"] == 60.0
+    assert job["sim_accept_by_workload"] == {"chat": [2.3, 2.2, 140], "ko:support": [1.5, 2.5, 2210]}

@@ -2,6 +2,7 @@
 (precomputed target argmax) give the same numbers as the direct computation."""
 import copy
 
+import pytest
 import torch
 
 from tide.spec.generate import generate
@@ -165,3 +166,26 @@ def test_keep_update_lands_the_given_fraction_of_the_way_from_the_parent(tiny_ta
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="fraction"):
             keep_update_(copy.deepcopy(trained), tiny_drafter, bad)
+
+
+def test_evaluation_by_group_gives_each_group_what_it_alone_gives(tiny_target, tiny_drafter):
+    seen, unseen = _samples(tiny_target, n=4, seed=0), _samples(tiny_target, n=4, seed=1)
+    drafter = copy.deepcopy(tiny_drafter)
+    embed, head = tiny_target.embed_weight, tiny_target.lm_head_weight
+    train(drafter, embed, head, seen, epochs=30, lr=3e-3, batch_tokens=512, max_len=256, ttt_length=3,
+          step_weight=0.8, progress=False)
+    mixed = [s for pair in zip(seen, unseen) for s in pair]  # interleaved: every batch holds both groups
+    names = ["seen", "unseen"] * 4
+    whole = evaluate(drafter, embed, head, mixed, gamma=3, batch_tokens=160, groups=names)
+    alone = {"seen": evaluate(drafter, embed, head, seen, gamma=3), "unseen": evaluate(drafter, embed, head, unseen,
+                                                                                        gamma=3)}
+    assert set(whole.by_group) == {"seen", "unseen"}
+    for name, ev in alone.items():
+        acc, positions = whole.by_group[name]
+        assert positions == ev.positions
+        assert abs(acc - ev.accept_length) < 1e-9
+    assert whole.by_group["seen"][0] > whole.by_group["unseen"][0] + 0.3  # the trained group, not swapped
+    assert sum(n for _, n in whole.by_group.values()) == whole.positions
+    assert evaluate(drafter, embed, head, mixed, gamma=3).by_group == {}  # no groups asked
+    with pytest.raises(ValueError, match="3 group names for 8 samples"):
+        evaluate(drafter, embed, head, mixed, gamma=3, groups=names[:3])

@@ -212,3 +212,18 @@ def test_spilled_window_reads_back_the_same_states_and_batches(dataset, tmp_path
     spilled.close()
     with pytest.raises(ValueError):
         spilled.train[0].states()
+
+
+def test_heldout_requests_keep_their_workload_tags_through_loading(dataset):
+    data_dir, _, _ = dataset
+    plan = plan_window(data_dir, WindowSpec(heldout_fraction=0.2, heldout_max_samples=64,
+                                            target_model="org/m"))
+    tags = {r.split("-")[0] for r in plan.heldout}
+    assert tags == {"chat", "code"}  # both workloads held out: the evaluation reports each
+    assert plan.heldout_workloads == {r: r.split("-")[0] for r in plan.heldout}
+    data = load_window(data_dir, plan, train_on_prompt=False, max_seq_len=64)
+    try:
+        assert len(data.heldout) == len(plan.heldout)
+        assert data.heldout_workloads == [r.split("-")[0] for r in plan.heldout]  # aligned with the samples
+    finally:
+        data.close()
