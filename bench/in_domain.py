@@ -163,8 +163,9 @@ def curve_drafters(cfg, recipe: StaticRecipe, points: list[tuple[int, int]], tar
 
     from tide import workloads
     from tide.drafter.artifact import round_weights_
+    from tide.train.fraction import keep_update_
     from tide.train.ranks import train_kwargs
-    from tide.train.trainer import keep_update_, train
+    from tide.train.trainer import train
 
     if not points:
         return {}

@@ -19,6 +19,8 @@ replays one real retrain window under several settings:
    run in parallel processes (one ``--variant`` each).
 ``--fractions 1,0.8,...`` scores each trained candidate at several ``train.update_fraction``s (the
 parent plus that fraction of its change: one training run per variant, not one per fraction);
+Each trained variant also reports, per fraction, its window's held-out requests' simulated acceptance
+by workload tag over the parent's (what the retrain itself measures of each workload, with positions).
 ``--candidate <folder>`` scores a drafter already trained on the window (a demo's registered
 version) the same way, without training.
 
@@ -44,10 +46,11 @@ from tide.drafter.static import static_drafter_path
 from tide.models.target import load_target
 from tide.report import ModeResult, ratio_interval
 from tide.spec.generate import generate
+from tide.train.fraction import keep_update_
 from tide.train.offline import render_prompt
 from tide.train.online import data_dir_of, plan_for
 from tide.train.ranks import train_kwargs
-from tide.train.trainer import keep_update_, train
+from tide.train.trainer import evaluate, train
 from tide.train.window import load_window
 
 SEEDS = {"before": 11, "after": 13}  # the demo comparison's prompt draws (tide/comparison.py)
@@ -93,10 +96,11 @@ def first_retrain_until(cfg) -> float:
     return min(ends)
 
 
-def retrain(cfg, parent, target, overrides: dict, until_s: float | None, spill: Path, version: int | None = None):
+def retrain(cfg, parent, target, overrides: dict, until_s: float | None, spill: Path, version: int | None = None,
+            fractions: list[float] = ()):
     """The parent retrained on the window as the online retrain does (the home's ``train.*`` with
     ``overrides``, validated as config); returns (candidate as trained, its update fraction, steps,
-    train s, training requests)."""
+    train s, training requests, held-out acceptance by workload: {"parent" or fraction: {tag: (acc, positions)}})."""
     cfg = replace(cfg, train=replace(cfg.train, **overrides))
     tc = cfg.train
     plan = plan_for(cfg, until_s, version)
@@ -107,7 +111,15 @@ def retrain(cfg, parent, target, overrides: dict, until_s: float | None, spill: 
         cand = copy.deepcopy(parent)
         t0 = time.monotonic()
         result = train(cand, target.embed_weight, target.lm_head_weight, data.train, **train_kwargs(tc))
-        return cand, tc.update_fraction, result.steps, time.monotonic() - t0, len(data.train)
+        train_s = time.monotonic() - t0
+
+        def held(drafter) -> dict:  # the window's held-out requests by workload, as the retrain evaluates them
+            return evaluate(drafter, target.embed_weight, target.lm_head_weight, data.heldout, cfg.spec.draft_len,
+                            tc.ttt_length, tc.step_weight_decay, tc.max_seq_len, tc.batch_tokens,
+                            groups=data.heldout_workloads).by_group
+        heldout = {"parent": held(parent),
+                   **{f: held(at_fraction(cand, parent, f)) for f in (fractions or [tc.update_fraction])}}
+        return cand, tc.update_fraction, result.steps, train_s, len(data.train), heldout
     finally:
         data.close()
 
@@ -192,19 +204,26 @@ def main() -> int:
         out["data_table_version"] = args.version
     for name, overrides in variants:
         spill = Path(cfg.home) / "bench-spill" / name
-        cand, own, steps, train_s, n_train = retrain(cfg, parent, target, overrides, until_s, spill, args.version)
+        cand, own, steps, train_s, n_train, heldout = retrain(cfg, parent, target, overrides, until_s, spill,
+                                                              args.version, fractions)
         trained.append((name, cand, fractions or [own], {"overrides": overrides, "steps": steps,
-                                                         "train_s": round(train_s, 1), "train_requests": n_train}))
+                                                         "train_s": round(train_s, 1), "train_requests": n_train,
+                                                         "heldout": heldout}))
     for name, cand, fracs, info in trained:
         for f in fracs:
             res, ratios = score(target, prompts, base, at_fraction(cand, parent, f), args, cfg)
-            out["variants"][f"{name}@{f}"] = {**info, "update_fraction": f,
+            held = info.get("heldout", {})
+            by_tag = {t: (acc / held["parent"][t][0], n) for t, (acc, n) in held.get(f, {}).items()}
+            out["variants"][f"{name}@{f}"] = {**{k: v for k, v in info.items() if k != "heldout"}, "update_fraction": f,
+                                              "heldout_over_parent": by_tag,
                                               "tokens_per_forward": {w: r.tokens_per_forward for w, r in res.items()},
                                               "ratio": {w: r for w, (r, _) in ratios.items()},
                                               "ratio_interval_90": {w: i for w, (_, i) in ratios.items()}}
             rows.append((name, f, info["steps"], f"{info['train_s']}",
                          *(f"{r:.3f} ({lo:.3f}-{hi:.3f})" for r, (lo, hi) in ratios.values())))
-            print(f"{name} @ {f}: " + ", ".join(f"{w} {r:.3f}" for w, (r, _) in ratios.items()), flush=True)
+            print(f"{name} @ {f}: " + ", ".join(f"{w} {r:.3f}" for w, (r, _) in ratios.items())
+                  + "; window held-out over the parent: "
+                  + ", ".join(f"{t} {r:.3f} ({n} positions)" for t, (r, n) in by_tag.items()), flush=True)
     print_table(f"retrain candidates on {home} (reference: "
                 + ", ".join(f"{w} {r.tokens_per_forward:.3f}" for w, r in base.items()) + " tokens/forward)", rows)
     write_json(args.json, out)

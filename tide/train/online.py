@@ -16,8 +16,10 @@ Steps of ``run_retrain``:
    (``tide/train/spill.py``: memory is set by ``train.batch_tokens``, not the window); open an MLflow run and log params (window, counts, hyperparameters,
    parent, code version);
 6. evaluate the parent (and a baseline that is not the parent) on the held-out slice, train the
-   candidate (warm start, time-capped), evaluate it on the same slice: simulated acceptance length at gamma = ``spec.draft_len`` and
-   the EAGLE3 loss; log the loss curve and both evaluations;
+   candidate (warm start, time-capped), keep ``train.update_fraction`` of its change (less when a workload
+   would lose too much: tide/train/fraction.py) and evaluate it on the same slice: simulated acceptance
+   length at gamma = ``spec.draft_len`` and the EAGLE3 loss, overall and per workload tag; log the loss
+   curve and both evaluations;
 7. save the candidate, log the folder with its digest, register a version tagged with its
    lineage (the table version and URI it read among them) and both acceptance lengths, alias
    ``challenger`` (tide/train/lineage.py; ``Registry.register``: a killed job leaves no registered
@@ -51,7 +53,7 @@ from tide.contracts import (
     TAG_PARENT,
 )
 from tide.dataset.location import Location
-from tide.drafter.artifact import TargetSpec, load_drafter, round_weights_
+from tide.drafter.artifact import TargetSpec, load_drafter
 from tide.drafter.static import static_drafter_path
 from tide.drafter.vocab import mapping_digest
 from tide.registry import Registry, code_version
@@ -253,9 +255,8 @@ def _log_params(run, cfg, inputs: _Inputs, summary: dict, code: str) -> None:
 
 def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: PhaseMemory, work: Path) -> _Trained:
     """Step 6: evaluate the parent, train the candidate, evaluate it on the same held-out slice."""
-    import torch
-
-    from tide.train.trainer import evaluate, keep_update_, prepare, train
+    from tide.train.fraction import keep_fraction
+    from tide.train.trainer import evaluate, prepare, train
 
     tc, data = cfg.train, inputs.data
     device = start(cfg)
@@ -279,14 +280,16 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
             inputs.candidate, trained = train_specforge(cfg, inputs, work, data_dir_of(cfg))
         else:
             trained = train(inputs.candidate, embed, head, data.train, device=device, **train_kwargs(tc, progress))
-    keep_update_(inputs.candidate, inputs.champion, tc.update_fraction)  # either backend's result
-    # stored and served in bf16, as the static drafter (half the bytes to stream per draft
-    # token); rounded before evaluation so the registered metrics describe those weights
-    round_weights_(inputs.candidate, torch.bfloat16)
     t_eval = time.monotonic()
-    with memory.phase("eval_candidate"):
-        after = evaluate(inputs.candidate, embed, head, data.heldout, **eval_kw)
+    with memory.phase("eval_candidate"):  # either backend's result; stored and served in bf16, as the
+        # static drafter (half the bytes to stream per draft token): the metrics describe those weights
+        kept = keep_fraction(inputs.candidate, inputs.champion,
+                             lambda drafter: evaluate(drafter, embed, head, data.heldout, **eval_kw), before, tc)
+    inputs.candidate, after = kept.drafter, kept.evaluation
     eval_s += time.monotonic() - t_eval
+    if len(kept.tried) > 1:
+        log.info("retrain: update fraction %g (workloads under %.2f of the parent's: %s)", kept.fraction,
+                 tc.keep_workloads, kept.describe())
     with memory.phase("confidence"):
         inputs.candidate.confidence, confidence = fit_for_retrain(cfg, inputs.candidate, inputs.target, data)
     if mapping_digest(inputs.candidate.d2t) != inputs.vocab:
@@ -295,6 +298,7 @@ def _train_and_evaluate(cfg, inputs: _Inputs, run, progress: bool, memory: Phase
                **(_eval_metrics("parent", before) if inputs.baseline is not None else {}),
                "accept_length_gain": after.accept_length - baseline.accept_length,
                "heldout_positions": after.positions, "train_steps": trained.steps,
+               "update_fraction_kept": kept.fraction, "update_fractions_tried": len(kept.tried),
                **{f"heldout_positions.{tag}": n for tag, (_, n) in after.by_group.items()},
                "train_wall_s": trained.wall_s, "train_tokens_seen": trained.tokens_seen,
                "train_tokens_per_s": trained.tokens_seen / max(1e-9, trained.wall_s),

@@ -234,23 +234,6 @@ def train(drafter: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, sa
 
 
 @torch.no_grad()
-def keep_update_(drafter: Eagle3Drafter, parent: Eagle3Drafter, fraction: float) -> None:
-    """θ ← θ₀ + fraction·(θ − θ₀) after training (WiSE-FT, Wortsman et al. 2022): the candidate
-    keeps ``fraction`` of its change from ``parent``. Along that line the new traffic's gain falls
-    more slowly than the old traffic's loss (docs/benchmarks.md), so a fraction below 1 buys back
-    old-workload acceptance cheaply. Parameters only: the vocab mapping is a buffer and stays."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"the update fraction must be in (0, 1], got {fraction}")
-    if fraction == 1.0:
-        return
-    start = dict(parent.named_parameters())
-    for name, p in drafter.named_parameters():
-        if name in start:  # a head the candidate has and the parent lacks is new: kept whole
-            p0 = start[name].to(p.device, p.dtype)
-            p.copy_(p0 + fraction * (p - p0))
-
-
-@torch.no_grad()
 def _pull_toward(params: list[torch.Tensor], start: list[torch.Tensor], rate: float) -> None:
     """θ ← θ − rate·(θ − θ₀): AdamW's decoupled weight decay, aimed at the warm start instead of
     zero (L2-SP). A retrain on a small window otherwise drifts wherever the window pulls and

@@ -140,34 +140,6 @@ def test_anchor_refused_by_the_trainer_outside_its_range(tiny_target, tiny_draft
                   anchor=bad)
 
 
-def test_keep_update_lands_the_given_fraction_of_the_way_from_the_parent(tiny_target, tiny_drafter):
-    """train.update_fraction (WiSE-FT): every parameter ends at parent + fraction x (trained - parent);
-    the vocab mapping (buffers) is untouched; 1 leaves the trained weights as they are."""
-    import pytest
-
-    from tide.train.trainer import keep_update_
-
-    samples = _samples(tiny_target, n=3)
-    trained = copy.deepcopy(tiny_drafter)
-    train(trained, tiny_target.embed_weight, tiny_target.lm_head_weight, samples, epochs=3, lr=3e-3,
-          batch_tokens=512, max_len=256, ttt_length=2, step_weight=0.8, progress=False)
-    kept = copy.deepcopy(trained)
-    keep_update_(kept, tiny_drafter, 0.25)
-    parent, full = dict(tiny_drafter.named_parameters()), dict(trained.named_parameters())
-    moved = 0
-    for name, p in kept.named_parameters():
-        assert torch.allclose(p, parent[name] + 0.25 * (full[name] - parent[name]), atol=1e-6), name
-        moved += not torch.equal(full[name], parent[name])
-    assert moved > 0  # training changed something, so the check above could fail
-    assert torch.equal(kept.d2t, trained.d2t) and torch.equal(kept.t2d, trained.t2d)
-    same = copy.deepcopy(trained)
-    keep_update_(same, tiny_drafter, 1.0)
-    assert all(torch.equal(p, full[n]) for n, p in same.named_parameters())
-    for bad in (0.0, 1.5):
-        with pytest.raises(ValueError, match="fraction"):
-            keep_update_(copy.deepcopy(trained), tiny_drafter, bad)
-
-
 def test_evaluation_by_group_gives_each_group_what_it_alone_gives(tiny_target, tiny_drafter):
     seen, unseen = _samples(tiny_target, n=4, seed=0), _samples(tiny_target, n=4, seed=1)
     drafter = copy.deepcopy(tiny_drafter)
