@@ -138,8 +138,10 @@ class TrainConfig(Section):
     update_fraction: float = Field(0.6, gt=0.0, le=1.0)
     # a candidate under keep_workloads x the parent's held-out acceptance on a workload tag measured
     # on >= keep_min_positions positions keeps less of its change: the fraction steps down by 0.1 to
-    # min_update_fraction until no tag is under (tide/train/fraction.py). 0 = off: update_fraction as set
-    keep_workloads: float = Field(0.97, ge=0.0, lt=1.0)
+    # min_update_fraction until no tag is under (tide/train/fraction.py). 0 = off (the default):
+    # update_fraction as set. A step-down can leave a candidate that no longer beats the champion, and
+    # the promotion policy then keeps the champion, whatever it lost of the old workload
+    keep_workloads: float = Field(0.0, ge=0.0, lt=1.0)
     keep_min_positions: int = Field(200, ge=1)  # fewer held-out positions of a tag: too few to steer by
     min_update_fraction: float = Field(0.4, gt=0.0, le=1.0)
     batch_tokens: int = 1024  # padded tokens per step; activations dominate a retrain's peak memory
