@@ -103,7 +103,7 @@ def share(ranks: Ranks, obj):
     return box[0]
 
 
-def exit_rank(code: int):
+def exit_rank(code: int) -> int:
     """End a process that joined a process group with exit ``code``, without interpreter shutdown.
 
     Why: DDP keeps its group alive after ``destroy_process_group`` (its reducer holds it), and a

@@ -1,7 +1,7 @@
 """How much of a retrain's weight change the registered candidate keeps.
 
 A retrain registers the parent plus ``train.update_fraction`` of its change (WiSE-FT,
-``tide.train.trainer.keep_update_``): below 1 it gives up a little of the new traffic's gain for much
+``keep_update_``): below 1 it gives up a little of the new traffic's gain for much
 of what the old traffic would lose. One fraction does not suit every window: a new workload far from
 the old one pulls the weights harder, and the same fraction then gives up more of the old traffic.
 
@@ -82,14 +82,15 @@ def short_workloads(candidate: EvalResult, parent: EvalResult, keep: float, min_
 
 def keep_fraction(trained: torch.nn.Module, parent: torch.nn.Module, evaluate: Callable[[torch.nn.Module], EvalResult],
                   parent_eval: EvalResult, tc) -> Kept:
-    """The candidate to register from ``trained`` (left as trained): ``tc.update_fraction`` of the change,
-    or less while a workload keeps under ``tc.keep_workloads`` of ``parent_eval`` (module docstring).
-    Each candidate is rounded to bfloat16 before it is evaluated, as it is stored and served."""
+    """The candidate to register from ``trained``: ``tc.update_fraction`` of the change, or less while a
+    workload keeps under ``tc.keep_workloads`` of ``parent_eval`` (module docstring). Each candidate is
+    rounded to bfloat16 before it is evaluated, as it is stored and served. The last fraction tried is
+    applied to ``trained`` in place: with the check off, no copy of the drafter is made."""
     fractions = fractions_to_try(tc.update_fraction, tc.min_update_fraction) if tc.keep_workloads > 0 \
         else [tc.update_fraction]
     tried = []
-    for fraction in fractions:
-        candidate = copy.deepcopy(trained)
+    for i, fraction in enumerate(fractions):
+        candidate = trained if i == len(fractions) - 1 else copy.deepcopy(trained)
         keep_update_(candidate, parent, fraction)
         round_weights_(candidate, torch.bfloat16)
         evaluation = evaluate(candidate)

@@ -281,7 +281,8 @@ def _evaluate(drafter, embed, lm_head, samples, gamma, ttt_length, step_weight, 
     n_total, acc_sum, rate_sums, loss_sum, loss_batches = 0, 0.0, [0.0] * gamma, 0.0, 0
     replay_tokens, replay_steps = 0, 0
     names = sorted(set(groups or ()))
-    group_of = {id(s): names.index(g) for s, g in zip(samples, groups or ())}  # batches reorder the samples
+    index = {g: i for i, g in enumerate(names)}
+    group_of = {id(s): index[g] for s, g in zip(samples, groups or ())}  # batches reorder the samples
     group_acc, group_n = torch.zeros(len(names), dtype=torch.float64), torch.zeros(len(names), dtype=torch.float64)
     for group in make_batches(samples, batch_tokens, max_len):
         batch = to_device(collate(group, max_len), device)

@@ -71,16 +71,19 @@ def test_the_fraction_steps_down_while_the_old_workload_keeps_too_little(tiny_ta
     parent, trained, score = _old_and_new(tiny_target, tiny_drafter)
     parent_eval = score(parent)
     tc = SimpleNamespace(update_fraction=1.0, min_update_fraction=0.1, keep_workloads=0.9, keep_min_positions=10)
-    whole = keep_fraction(trained, parent, score, parent_eval, SimpleNamespace(**{**vars(tc), "keep_workloads": 0.0}))
+    given = copy.deepcopy(trained)  # the last fraction tried is applied to the drafter passed in
+    whole = keep_fraction(given, parent, score, parent_eval, SimpleNamespace(**{**vars(tc), "keep_workloads": 0.0}))
     assert whole.fraction == 1.0 and len(whole.tried) == 1  # off: the change as trained (rounded to bf16)
+    assert whole.drafter is given  # one try: no copy of the drafter
     old_share = whole.evaluation.by_group["old"][0] / parent_eval.by_group["old"][0]
     assert old_share < 0.9, old_share  # training on the new workload lost the old one: the check can fail
-    kept = keep_fraction(trained, parent, score, parent_eval, tc)
+    kept = keep_fraction(copy.deepcopy(trained), parent, score, parent_eval, tc)
     assert kept.fraction < 1.0 and [f for f, _ in kept.tried] == fractions_to_try(1.0, 0.1)[:len(kept.tried)]
     assert kept.evaluation.by_group["old"][0] >= 0.9 * parent_eval.by_group["old"][0]  # kept enough
     assert all(short for _, short in kept.tried[:-1]) and kept.tried[-1][1] == {}
     assert kept.evaluation == score(kept.drafter)  # the registered evaluation is of the returned weights
     assert kept.evaluation.by_group["new"][0] > parent_eval.by_group["new"][0]  # still gains on the new
     assert "old" in kept.describe() and "none short" in kept.describe()
-    few = keep_fraction(trained, parent, score, parent_eval, SimpleNamespace(**{**vars(tc), "keep_min_positions": 10**6}))
+    few = keep_fraction(copy.deepcopy(trained), parent, score, parent_eval,
+                        SimpleNamespace(**{**vars(tc), "keep_min_positions": 10**6}))
     assert few.fraction == 1.0  # too few positions to steer by: never steps down
