@@ -50,8 +50,8 @@ from tide.train.fraction import keep_update_
 from tide.train.offline import render_prompt
 from tide.train.online import data_dir_of, plan_for
 from tide.train.ranks import train_kwargs
+from tide.train.rehearsal import load_training
 from tide.train.trainer import evaluate, train
-from tide.train.window import load_window
 
 SEEDS = {"before": 11, "after": 13}  # the demo comparison's prompt draws (tide/comparison.py)
 
@@ -104,9 +104,10 @@ def retrain(cfg, parent, target, overrides: dict, until_s: float | None, spill: 
     cfg = replace(cfg, train=replace(cfg.train, **overrides))
     tc = cfg.train
     plan = plan_for(cfg, until_s, version)
-    print(f"window: {len(plan.recent)} recent + {len(plan.replay)} replayed requests ({plan.replay_workloads}), "
+    print(f"window: {len(plan.recent)} recent + {len(plan.replay)} replayed requests ({plan.replay_workloads}) "
+          f"+ {plan.rehearsal} rehearsed, "
           f"table version {plan.data_version}", flush=True)
-    data = load_window(data_dir_of(cfg), plan, tc.train_on_prompt, tc.max_seq_len, spill_dir=spill)
+    data = load_training(cfg, data_dir_of(cfg), plan, spill)
     try:
         cand = copy.deepcopy(parent)
         t0 = time.monotonic()

@@ -123,7 +123,7 @@ class DemoSettings:
 
 
 # what a demo reuses from the home: built once, and the same for every run
-SHARED_CACHES = ("models", "kernels", "workloads", "drafters")
+SHARED_CACHES = ("models", "kernels", "workloads", "drafters", "train-cache")
 
 
 def fresh_state(home: Path) -> Path:
@@ -167,6 +167,8 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     say(f"starting {', '.join(stack.parts)} ...")
     stack.start()
     try:
+        if settings.final_timeout_s > 0:  # a full retrain will follow the shift's patch
+            _warm_rehearsal(stack)
         summary = _run_loop(stack, home, report_dir, settings, before, after, tracking_uri, t_start, keep_up)
     except BaseException:
         stack.stop()
@@ -174,6 +176,19 @@ def run_demo(home: Path, report_dir: Path, settings: DemoSettings, before: str =
     if keep_up:
         _keep_up(stack)
     return summary
+
+
+def _warm_rehearsal(stack: Stack) -> None:
+    """Build the full retrain's rehearsal pool before the traffic (once per home: the cache is shared
+    between runs), so the retrain after the shift does not generate it on its share of a core."""
+    from tide.config import load_config
+    from tide.train.rehearsal import pool_path, rehearsal_pool
+
+    cfg = load_config(stack.config_path, env={})
+    if cfg.train.rehearsal_prompts > 0 and not pool_path(cfg).exists():
+        say(f"generating the retrains' rehearsal pool ({cfg.train.rehearsal_prompts} {cfg.train.rehearsal_workload} "
+            "prompts, once per home) ...")
+        rehearsal_pool(cfg)
 
 
 def _keep_up(stack: Stack) -> None:

@@ -69,7 +69,7 @@ def overrides(target: Path, static: Path, min_new_tokens: int, cooldown_s: float
         # and one pass over this window ends (and auto-promotes) in less time than noticing it started
         "train": {"epochs": 30, "batch_tokens": 1024, "max_seq_len": 128, "ttt_length": 2, "window_samples": 48,
                   "replay_ratio": 0.25, "heldout_fraction": 0.2, "min_samples": 8, "max_train_s": 10,
-                  "max_train_tokens": 4000},
+                  "max_train_tokens": 4000, "rehearsal_prompts": 0},
         # every retrain's challenger is promoted (margin -1): faults, not drafter quality, are tested; the
         # guard is off because an untrained tiny drafter's ~1 token per forward reads as a collapse
         "ops": {"poll_interval_s": 2, "registry_retry_s": 2, "guard_enabled": False, "auto_promote": True,

@@ -91,7 +91,7 @@ def test_code_traffic_after_sharegpt_adapts_the_drafter(real, tmp_path):
         # the data selection is the test's; the optimisation is TIDE's defaults (what the demo runs)
         "train": {"window_samples": N_CODE, "window_s": 0, "replay_ratio": 0.25, "heldout_fraction": 0.25,
                   "min_samples": 16, "max_seq_len": MAX_PROMPT_TOKENS + MAX_NEW_TOKENS,
-                  "max_train_tokens": 0, "max_train_s": 240},
+                  "max_train_tokens": 0, "max_train_s": 240, "rehearsal_prompts": 0},  # replay only
     })
     plan = plan_for(run_cfg)
     assert plan.heldout and all(r.startswith("code-") for r in plan.heldout + plan.recent)

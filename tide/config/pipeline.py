@@ -171,6 +171,13 @@ class TrainConfig(Section):
     # its share gives all it has): a workload served briefly before a shift is not outnumbered
     # by the new traffic the token cap left out of the recent window
     replay_by_workload: bool = True
+    # rehearsal (tide/train/rehearsal.py): when the dataset holds fewer older requests than the
+    # replay asks (a young dataset: the first retrains after a shift), the target's own answers to
+    # prompts of the workload the drafter was trained on fill the shortfall, up to this many
+    # (0 = off). Generated once per home and target, cached under <home>/train-cache/rehearsal;
+    # a shift's patch trains without it
+    rehearsal_prompts: int = Field(128, ge=0)
+    rehearsal_workload: str = "chat"  # a built-in workload's name or a JSONL file; its train split
     # requests whose id hashes below this are held out for evaluation, never trained on
     heldout_fraction: float = 0.1
     heldout_max_samples: int = 64  # newest held-out requests of the window that are evaluated

@@ -61,7 +61,8 @@ from tide.train.confidence import fit_for_retrain
 from tide.train.lineage import WarmStart, register_candidate, resolve_warm_start
 from tide.train.memory import PhaseMemory
 from tide.train.ranks import announce, current_ranks, run_rank, start, train_kwargs
-from tide.train.window import WindowData, WindowPlan, WindowSpec, load_window, plan_window
+from tide.train.rehearsal import load_training, rehearsal_count, rehearsal_pool
+from tide.train.window import WindowData, WindowPlan, WindowSpec, plan_window
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,9 @@ from tide.process import pid_alive as _alive  # noqa: E402
 def plan_for(cfg, until_s: float | None = None, version: int | None = None) -> WindowPlan:
     spec = WindowSpec.from_config(cfg.train, target_model=cfg.model.model_id or None, until_s=until_s,
                                   version=version)
-    return plan_window(data_dir_of(cfg), spec)
+    plan = plan_window(data_dir_of(cfg), spec)
+    plan.rehearsal = rehearsal_count(cfg.train, plan)
+    return plan
 
 
 def _eval_metrics(prefix: str, ev) -> dict[str, float]:
@@ -226,6 +229,7 @@ def _load_inputs(cfg, registry: Registry, plan: WindowPlan, memory: PhaseMemory)
 
     with memory.phase("target"):
         start = resolve_warm_start(cfg, registry)
+        pool = rehearsal_pool(cfg) if plan.rehearsal else []  # cached before other ranks look for it
         announce(plan, start.folder)
         target = load_target_heads(cfg)
         spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
@@ -233,11 +237,10 @@ def _load_inputs(cfg, registry: Registry, plan: WindowPlan, memory: PhaseMemory)
         baseline = load_drafter(start.baseline_folder, spec) if start.rebased else None
     with memory.phase("window"):
         # hidden states to a local file, read back per batch: memory does not grow with the window
-        data = load_window(data_dir_of(cfg), plan, cfg.train.train_on_prompt, cfg.train.max_seq_len,
-                           spill_dir=_work_root(cfg))
-    log.info("retrain: parent %s%s, %d train samples (%d tokens), %d held-out (%d tokens)", start.parent,
-             f" (rebased past patch {start.baseline})" if start.rebased else "",
-             len(data.train), data.train_tokens, len(data.heldout), data.heldout_tokens)
+        data = load_training(cfg, data_dir_of(cfg), plan, _work_root(cfg), pool)
+    log.info("retrain: parent %s%s, %d train samples (%d tokens; %d rehearsed), %d held-out (%d tokens)",
+             start.parent, f" (rebased past patch {start.baseline})" if start.rebased else "",
+             len(data.train), data.train_tokens, plan.rehearsal, len(data.heldout), data.heldout_tokens)
     return _Inputs(plan, start, target, champion, baseline, copy.deepcopy(champion),
                    mapping_digest(champion.d2t), data, time.monotonic())
 

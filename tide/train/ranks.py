@@ -50,8 +50,8 @@ def run_rank(cfg, data_dir, spill_dir) -> int:
 
     from tide.drafter.artifact import TargetSpec, load_drafter
     from tide.models.target import load_target_heads
+    from tide.train.rehearsal import load_training
     from tide.train.trainer import train
-    from tide.train.window import load_window
 
     device = start(cfg)
     got = share(current_ranks(), None)
@@ -62,7 +62,7 @@ def run_rank(cfg, data_dir, spill_dir) -> int:
     drafter = load_drafter(Path(parent_folder), TargetSpec(target.shape.hidden_size, target.shape.vocab_size,
                                                            target.aux_layer_ids))
     tc = cfg.train
-    data = load_window(data_dir, plan, tc.train_on_prompt, tc.max_seq_len, spill_dir=spill_dir)
+    data = load_training(cfg, data_dir, plan, spill_dir)  # rank 0 cached the rehearsal pool before sharing
     try:
         if len(data.train) < tc.min_samples or len(data.heldout) < tc.min_heldout_samples:
             return 0  # rank 0 reads the same requests and finds the same: nothing to do

@@ -139,6 +139,9 @@ class WindowPlan:
     heldout_workloads: dict[str, str] = field(default_factory=dict, repr=False)  # held-out id -> workload tag
     data_version: int | None = None  # the table version read (None: no table yet)
     data_uri: str = ""
+    # samples of the drafter's training workload added to the training set (tide/train/rehearsal.py);
+    # set from the config after planning, so a re-run on the same table version adds the same
+    rehearsal: int = 0
 
     @property
     def train_ids(self) -> list[str]:
@@ -151,7 +154,7 @@ class WindowPlan:
             "catalog_requests": self.catalog_requests, "window_requests": self.window_requests,
             "recent_requests": len(self.recent), "replay_requests": len(self.replay),
             "heldout_requests": len(self.heldout), "heldout_in_window": self.heldout_in_window,
-            "replay_workloads": self.replay_workloads,
+            "replay_workloads": self.replay_workloads, "rehearsal_requests": self.rehearsal,
             "recent_tokens": self.recent_tokens, "replay_tokens": self.replay_tokens,
             "heldout_tokens": self.heldout_tokens, "heldout_generated_tokens": self.heldout_generated,
             "data_table_version": self.data_version, "data_table_uri": self.data_uri,
