@@ -192,7 +192,8 @@ def jobs_report(state_path: str | Path, shift_at_s: float | None = None) -> list
             "finished_after_shift_s": None if shift_at_s is None else round(job.finished_at_s - shift_at_s, 1),
             "wall_s": round(wall_s, 1), "train_wall_s": m.get("train_wall_s"),
             "train_tokens": m.get("train_tokens_seen"), "recent_requests": m.get("recent_requests"),
-            "replay_requests": m.get("replay_requests"), "cpu_s": cpu_s, "cpus": m.get("cpus"),
+            "replay_requests": m.get("replay_requests"), "rehearsal_requests": m.get("rehearsal_requests"),
+            "cpu_s": cpu_s, "cpus": m.get("cpus"),
             "machine_share": None if cpu_s is None else round(cpu_s / max(1e-9, wall_s * (os.cpu_count() or 1)), 3),
             "sim_accept": [m.get("champion_sim_accept_length"), m.get("candidate_sim_accept_length")],
             "sim_accept_by_workload": _by_workload(m)})

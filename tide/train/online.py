@@ -12,7 +12,7 @@ Steps of ``run_retrain``:
 4. load the target's embeddings and lm_head (the drafter's frozen inputs; its layers are never
    run here), the parent drafter, and a copy of it as the candidate: its vocab mapping (t2d/d2t)
    stays fixed;
-5. load the planned samples, their hidden states into a local file read back per batch
+5. load the planned samples (and the plan's rehearsal: tide/train/rehearsal.py), their hidden states into a local file read back per batch
    (``tide/train/spill.py``: memory is set by ``train.batch_tokens``, not the window); open an MLflow run and log params (window, counts, hyperparameters,
    parent, code version);
 6. evaluate the parent (and a baseline that is not the parent) on the held-out slice, train the

@@ -92,9 +92,11 @@ def test_the_jobs_report_gives_each_retrain_its_held_out_acceptance_by_workload(
     metrics = {"champion_sim_accept_length": 2.0, "candidate_sim_accept_length": 2.4,
                "champion_sim_accept_length.chat": 2.3, "candidate_sim_accept_length.chat": 2.2,
                "heldout_positions.chat": 140, "champion_sim_accept_length.ko:support": 1.5,
-               "candidate_sim_accept_length.ko:support": 2.5, "heldout_positions.ko:support": 2210}
+               "candidate_sim_accept_length.ko:support": 2.5, "heldout_positions.ko:support": 2210,
+               "recent_requests": 157, "replay_requests": 57, "rehearsal_requests": 100}
     (tmp_path / "jobs").mkdir()
     (tmp_path / "jobs" / "j1.result.json").write_text(json.dumps({"status": "registered", "metrics": metrics}))
     [job] = jobs_report(store.path, shift_at_s=40.0)
     assert job["sim_accept"] == [2.0, 2.4] and job["launched_after_shift_s"] == 60.0
     assert job["sim_accept_by_workload"] == {"chat": [2.3, 2.2, 140], "ko:support": [1.5, 2.5, 2210]}
+    assert (job["recent_requests"], job["replay_requests"], job["rehearsal_requests"]) == (157, 57, 100)
