@@ -28,14 +28,9 @@ def say(msg: str) -> None:
 
 
 def load_prompts(name_or_path: str, split: str, n: int | None, seed: int):
-    if name_or_path in workloads.BUILTIN_WORKLOADS:
-        return workloads.load_workload(name_or_path, split, n, seed=seed)
-    # an operator's file, split by prompt id as the built-ins are: the compared prompts never ride
-    # in the traffic a retrain trains on (a file too small to hold any out is used whole)
-    prompts = workloads.load_workload(name_or_path)
-    if not workloads.select(prompts, "heldout", None, seed):
-        return prompts if n is None else prompts[:n]
-    return workloads.select(prompts, split, n, seed)
+    # an operator's file is split by prompt id as the built-ins are: the compared prompts never ride
+    # in the traffic a retrain trains on
+    return workloads.split_workload(name_or_path, split, n, seed)
 
 
 def workload_names(before: str, after: str) -> tuple[str, str]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from tide.train.trainer import Sample
 from tide.train.window import WindowData, WindowPlan, load_window
 
@@ -67,8 +69,8 @@ def rehearsal_pool(cfg) -> list[Sample]:
 
     def build() -> list[Sample]:
         target, tokenizer, folder = load_target(cfg)
-        prompts = workloads.load_workload(cfg.train.rehearsal_workload, "train", cfg.train.rehearsal_prompts,
-                                          seed=recipe.seed, home=cfg.home_path)
+        prompts = workloads.split_workload(cfg.train.rehearsal_workload, "train", cfg.train.rehearsal_prompts,
+                                           seed=recipe.seed, home=cfg.home_path)
         ids = [render_prompt(tokenizer, p.chat_messages(), recipe.max_prompt_tokens) for p in prompts]
         return generate_samples(target, ids, recipe.max_new_tokens, eos_ids_of(tokenizer, folder),
                                 batch_size=recipe.generation_batch, progress=False)
@@ -79,14 +81,15 @@ def rehearsal_pool(cfg) -> list[Sample]:
     return samples
 
 
-def add_rehearsal(data: WindowData, pool: list[Sample], n: int, max_seq_len: int) -> int:
-    """The pool's first ``n`` samples appended to ``data.train`` (generated positions carry the loss,
-    as in a captured request); returns how many were added."""
+def add_rehearsal(data: WindowData, pool: list[Sample], n: int, max_seq_len: int, all_positions: bool = False) -> int:
+    """The pool's first ``n`` samples appended to ``data.train``, masked as the window's training
+    requests are (generated positions, or all with ``all_positions``); returns how many were added."""
     added = pool[:n]
     for s in added:
         rows = min(len(s), max_seq_len)
         aux, final = s.states(rows)
-        sample = Sample(tokens=s.tokens[:rows].clone(), loss_mask=s.loss_mask[:rows].clone(), aux=None, final=None)
+        mask = torch.ones(rows) if all_positions else s.loss_mask[:rows].clone()
+        sample = Sample(tokens=s.tokens[:rows].clone(), loss_mask=mask, aux=None, final=None)
         if data.store is not None:  # beside the window's states: memory stays set by the batch
             sample.spill = data.store.put(aux, final)
         else:
@@ -104,7 +107,8 @@ def load_training(cfg, data_dir, plan: WindowPlan, spill_dir: Path | None,
     data = load_window(data_dir, plan, tc.train_on_prompt, tc.max_seq_len, spill_dir=spill_dir)
     try:
         if plan.rehearsal:
-            add_rehearsal(data, pool if pool else rehearsal_pool(cfg), plan.rehearsal, tc.max_seq_len)
+            add_rehearsal(data, pool if pool else rehearsal_pool(cfg), plan.rehearsal, tc.max_seq_len,
+                          tc.train_on_prompt)
     except BaseException:
         data.close()
         raise

@@ -29,7 +29,7 @@ from tide.workloads.sharegpt import sharegpt
 BUILTIN_WORKLOADS = ("chat", "code", "korean", "sharegpt-code")
 
 __all__ = ["BUILTIN_WORKLOADS", "HELDOUT_PER_MILLE", "SPLITS", "Prompt", "WorkloadError", "code",
-           "korean", "load_jsonl_workload", "load_workload", "select", "sharegpt", "split_of",
+           "korean", "load_jsonl_workload", "load_workload", "select", "sharegpt", "split_of", "split_workload",
            "workload_name", "write_jsonl_workload"]
 
 
@@ -52,6 +52,18 @@ def load_workload(name: str, split: str = "train", n: int | None = None, seed: i
     if path.suffix == ".jsonl" or path.is_file():
         return load_jsonl_workload(path, n=n)
     raise WorkloadError(f"unknown workload {name!r}: use one of {BUILTIN_WORKLOADS} or a .jsonl file")
+
+
+def split_workload(name: str, split: str, n: int | None, seed: int, home: Path | None = None) -> list[Prompt]:
+    """``split`` of a built-in workload or an operator's file, the file split by prompt id as the
+    built-ins are (so its held-out prompts never ride in traffic or data a retrain trains on); a file
+    too small to hold any out is used whole."""
+    if name in BUILTIN_WORKLOADS:
+        return load_workload(name, split, n, seed=seed, home=home)
+    prompts = load_workload(name)
+    if not select(prompts, "heldout", None, seed):
+        return prompts if n is None else prompts[:n]
+    return select(prompts, split, n, seed)
 
 
 def workload_name(name: str) -> str:

@@ -58,6 +58,7 @@ def test_pool_samples_join_the_window_after_it_truncated_and_bit_identical(tmp_p
             assert torch.equal(got.tokens, want.tokens[:n]) and torch.equal(got.loss_mask, want.loss_mask[:n])
             for a, b in zip(got.states(), want.states(n)):
                 assert torch.equal(a, b)
-        assert add_rehearsal(data, pool, 5, max_seq_len=16) == 3  # the whole pool, no more
+        assert add_rehearsal(data, pool, 5, max_seq_len=16, all_positions=True) == 3  # the whole pool, no more
+        assert torch.equal(data.train[-1].loss_mask, torch.ones(7))  # train.train_on_prompt: every position
     finally:
         data.close()
