@@ -282,6 +282,7 @@ def test_dockerfile_installs_the_wheel_and_its_runtime_stage_has_no_compiler():
     assert "pip wheel --no-deps" in build and re.search(r"pip install /dist/tide-\*\.whl\s*$", build, re.M)
     assert "[dev]" not in text and " -e " not in text  # no editable install, no dev extras
     assert "rowkernel import build" in build  # the kernel is compiled where the compiler is
+    assert "rehearsal_pool(" in build  # retrain Jobs' home is read-only: the pool is built into the image
     assert not re.search(r"\b(gcc|cc|clang|build-essential|apt-get)\b", runtime), "a compiler in the runtime stage"
     copied = re.findall(r"^COPY --from=build .*?(/\S+) (/\S+)$", runtime, re.M)
     assert ("/opt/venv", "/opt/venv") in copied and ("/var/lib/tide", "/var/lib/tide") in copied

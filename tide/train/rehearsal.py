@@ -26,6 +26,7 @@ Held-out evaluation never sees rehearsal samples: the old workload is judged on 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -57,28 +58,38 @@ def pool_path(cfg) -> Path:
 
 
 def rehearsal_pool(cfg) -> list[Sample]:
-    """The cached pool, generated first if absent (the whole target loaded for it, then freed)."""
+    """The cached pool, generated first if absent (the whole target loaded for it, then freed). A
+    home that cannot be written (a Job's read-only image without the pool) still gets the samples."""
+    from tide.train.generation_pool import load_samples, save_samples
+
+    path = pool_path(cfg)
+    if path.exists():
+        return load_samples(path)
+    t0 = time.monotonic()
+    samples = _generate(cfg)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_samples(samples, path)
+        where = f"cached at {path}"
+    except OSError as exc:
+        where = f"not cached ({exc}): every retrain that needs it generates it again"
+    log.info("rehearsal: %d samples generated in %.1f s, %s", len(samples), time.monotonic() - t0, where)
+    return samples
+
+
+def _generate(cfg) -> list[Sample]:
     from tide import workloads
     from tide.models.target import eos_ids_of, load_target
     from tide.train.offline import generate_samples, render_prompt
-    from tide.train.static import StaticRecipe, cached
+    from tide.train.static import StaticRecipe
 
-    path = pool_path(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
     recipe = StaticRecipe()
-
-    def build() -> list[Sample]:
-        target, tokenizer, folder = load_target(cfg)
-        prompts = workloads.split_workload(cfg.train.rehearsal_workload, "train", cfg.train.rehearsal_prompts,
-                                           seed=recipe.seed, home=cfg.home_path)
-        ids = [render_prompt(tokenizer, p.chat_messages(), recipe.max_prompt_tokens) for p in prompts]
-        return generate_samples(target, ids, recipe.max_new_tokens, eos_ids_of(tokenizer, folder),
-                                batch_size=recipe.generation_batch, progress=False)
-
-    samples, built_s = cached(path, build)
-    if built_s:
-        log.info("rehearsal: %d samples generated in %.1f s, cached at %s", len(samples), built_s, path)
-    return samples
+    target, tokenizer, folder = load_target(cfg)
+    prompts = workloads.split_workload(cfg.train.rehearsal_workload, "train", cfg.train.rehearsal_prompts,
+                                       seed=recipe.seed, home=cfg.home_path)
+    ids = [render_prompt(tokenizer, p.chat_messages(), recipe.max_prompt_tokens) for p in prompts]
+    return generate_samples(target, ids, recipe.max_new_tokens, eos_ids_of(tokenizer, folder),
+                            batch_size=recipe.generation_batch, progress=False)
 
 
 def add_rehearsal(data: WindowData, pool: list[Sample], n: int, max_seq_len: int, all_positions: bool = False) -> int:

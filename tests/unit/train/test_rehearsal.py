@@ -62,3 +62,20 @@ def test_pool_samples_join_the_window_after_it_truncated_and_bit_identical(tmp_p
         assert torch.equal(data.train[-1].loss_mask, torch.ones(7))  # train.train_on_prompt: every position
     finally:
         data.close()
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_the_pool_is_generated_once_per_home_and_served_where_it_cannot_be_cached(tmp_path, monkeypatch, writable):
+    """A retrain Job's image is read-only: without a prebuilt pool it still trains, generating it each time."""
+    from tide import config
+    from tide.train import rehearsal
+
+    cfg = config.load_config(overrides={"home": str(tmp_path), "train": {"rehearsal_prompts": 2}}, env={})
+    if not writable:
+        (tmp_path / "train-cache").write_text("a file where the cache folder would go")
+    built = []
+    monkeypatch.setattr(rehearsal, "_generate", lambda c: built.append(c) or [sample(6, 7), sample(4, 8)])
+    first, second = rehearsal.rehearsal_pool(cfg), rehearsal.rehearsal_pool(cfg)
+    assert len(built) == (1 if writable else 2) and rehearsal.pool_path(cfg).exists() == writable
+    for a, b in zip(first, second):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.states()[0], b.states()[0])
