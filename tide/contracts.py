@@ -57,6 +57,9 @@ TAG_WINDOW_START = "tide.data_window_start_s"  # capture time span of the recent
 TAG_WINDOW_END = "tide.data_window_end_s"
 TAG_RECENT_REQUESTS = "tide.recent_requests"
 TAG_REPLAY_REQUESTS = "tide.replay_requests"
+# training samples from outside the table: the rehearsal pool (tide/train/rehearsal.py), by count and pool file
+TAG_REHEARSAL_REQUESTS = "tide.rehearsal_requests"
+TAG_REHEARSAL_POOL = "tide.rehearsal_pool"
 TAG_HELDOUT_REQUESTS = "tide.heldout_requests"
 TAG_HELDOUT_POSITIONS = "tide.heldout_positions"
 TAG_TRAIN_TOKENS = "tide.train_tokens"

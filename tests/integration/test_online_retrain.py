@@ -184,10 +184,12 @@ def test_a_young_dataset_s_replay_shortfall_is_rehearsed_from_the_drafter_s_work
     code, payload, err = run_job(config, tmp_path / "result.json")
     assert code == 0 and payload["status"] == "registered", err
     cfg = load_config(config)
-    params = Registry.from_config(cfg).get_version(payload["version"]).params
+    version = Registry.from_config(cfg).get_version(payload["version"])
+    params = version.params
     recent, replay = int(params["recent_requests"]), int(params["replay_requests"])
     assert 2 * recent - replay >= 4  # a shortfall larger than the pool
     assert params["rehearsal_requests"] == "4"
+    assert (version.tags["tide.rehearsal_requests"], version.tags["tide.rehearsal_pool"]) == ("4", pool_path(cfg).name)
     assert int(params["train_samples"]) == recent + replay + 4
     pool = load_samples(pool_path(cfg))
     assert len(pool) == 4 and all(s.loss_mask.sum() > 0 for s in pool)  # the target answered each prompt

@@ -36,6 +36,8 @@ from tide.contracts import (
     TAG_PATCH,
     TAG_RECENT_REQUESTS,
     TAG_REGISTERED_VERSION,
+    TAG_REHEARSAL_POOL,
+    TAG_REHEARSAL_REQUESTS,
     TAG_REPLAY_REQUESTS,
     TAG_RUN_ID,
     TAG_SIM_ACCEPT,
@@ -46,6 +48,7 @@ from tide.contracts import (
 from tide.drafter.artifact import save_drafter
 from tide.drafter.static import static_drafter_path
 from tide.registry import Registry, RegistryError, VersionInfo
+from tide.train.rehearsal import pool_path
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,8 @@ def register_candidate(cfg, registry: Registry, run, inputs, trained, code: str,
                TAG_BASELINE: start.baseline, TAG_BASELINE_SIM_ACCEPT: round(trained.baseline.accept_length, 4),
                TAG_HELDOUT_POSITIONS: after.positions, TAG_RUN_ID: run.run_id,
                TAG_DATA_VERSION: plan.data_version, TAG_DATA_URI: plan.data_uri}
+    if plan.rehearsal:
+        lineage.update({TAG_REHEARSAL_REQUESTS: plan.rehearsal, TAG_REHEARSAL_POOL: pool_path(cfg).name})
     if cfg.train.patch:
         lineage[TAG_PATCH] = "true"
     folder = save_drafter(inputs.candidate, work / "drafter", metadata={
