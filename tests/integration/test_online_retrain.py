@@ -172,14 +172,15 @@ def test_enough_samples_register_a_challenger_with_lineage(tmp_path, tiny_setup)
 
 def test_a_young_dataset_s_replay_shortfall_is_rehearsed_from_the_drafter_s_workload(tmp_path, tiny_setup):
     """The replay asks twice the recent requests, the dataset holds fewer older ones: the target's
-    answers to the rehearsal workload's prompts fill in (generated once, cached, in the lineage)."""
+    answers to the rehearsal workload's prompts fill in (generated once, cached, in the lineage). The
+    file holds fewer prompts than ``rehearsal_prompts``: the lineage records what was added."""
     from tide.train.generation_pool import load_samples
     from tide.train.rehearsal import pool_path, rehearsal_pool
 
     prompts = tmp_path / "base.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say something about {w}."}) + "\n"
                                for w in ("tea", "rain", "cats", "maps", "jazz", "salt")))
-    home, config = make_home(tmp_path, tiny_setup, 72, replay_ratio=2.0, rehearsal_prompts=4,
+    home, config = make_home(tmp_path, tiny_setup, 72, replay_ratio=2.0, rehearsal_prompts=10,
                              rehearsal_workload=str(prompts))
     code, payload, err = run_job(config, tmp_path / "result.json")
     assert code == 0 and payload["status"] == "registered", err
@@ -187,14 +188,15 @@ def test_a_young_dataset_s_replay_shortfall_is_rehearsed_from_the_drafter_s_work
     version = Registry.from_config(cfg).get_version(payload["version"])
     params = version.params
     recent, replay = int(params["recent_requests"]), int(params["replay_requests"])
-    assert 2 * recent - replay >= 4  # a shortfall larger than the pool
-    assert params["rehearsal_requests"] == "4"
-    assert (version.tags["tide.rehearsal_requests"], version.tags["tide.rehearsal_pool"]) == ("4", pool_path(cfg).name)
-    assert int(params["train_samples"]) == recent + replay + 4
+    assert 2 * recent - replay >= 10  # a shortfall larger than the pool asked for
     pool = load_samples(pool_path(cfg))
-    assert len(pool) == 4 and all(s.loss_mask.sum() > 0 for s in pool)  # the target answered each prompt
+    assert 0 < len(pool) <= 6 and all(s.loss_mask.sum() > 0 for s in pool)  # the target answered each prompt
+    n = str(len(pool))  # all the file's train split holds, fewer than the 10 asked
+    assert params["rehearsal_requests"] == n
+    assert (version.tags["tide.rehearsal_requests"], version.tags["tide.rehearsal_pool"]) == (n, pool_path(cfg).name)
+    assert int(params["train_samples"]) == recent + replay + len(pool)
     stamp = pool_path(cfg).stat().st_mtime_ns
-    assert len(rehearsal_pool(cfg)) == 4 and pool_path(cfg).stat().st_mtime_ns == stamp  # read, not rebuilt
+    assert len(rehearsal_pool(cfg)) == len(pool) and pool_path(cfg).stat().st_mtime_ns == stamp  # read, not rebuilt
 
 
 def test_a_retrain_after_a_patch_starts_from_the_patch_s_parent_and_is_compared_with_the_patch(tmp_path, tiny_setup):

@@ -175,8 +175,9 @@ class TrainConfig(Section):
     # replay asks (a young dataset: the first retrains after a shift), the target's own answers to
     # prompts of the workload the drafter was trained on fill the shortfall, up to this many
     # (0 = off). Generated once per home and target, cached under <home>/train-cache/rehearsal;
-    # a shift's patch trains without it
-    rehearsal_prompts: int = Field(128, ge=0)
+    # a shift's patch trains without it. At most 1024: a retrain reads the pool whole into memory
+    # (every token's aux and final states: 4 x hidden size x 2 bytes)
+    rehearsal_prompts: int = Field(128, ge=0, le=1024)
     rehearsal_workload: str = "chat"  # a built-in workload's name or a JSONL file; its train split
     # requests whose id hashes below this are held out for evaluation, never trained on
     heldout_fraction: float = 0.1

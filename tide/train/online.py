@@ -178,6 +178,7 @@ def run_retrain(cfg, registry: Registry | None = None, until_s: float | None = N
         announce(None, None)
         return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_version=plan.data_version)
     inputs = _load_inputs(cfg, registry, plan, memory)
+    summary = plan.summary()  # the rehearsal the pool could give (tide/train/rehearsal.py)
     short = _too_few(cfg.train, len(inputs.data.train), len(inputs.data.heldout), "readable")
     if short:
         return RetrainResult(RETRAIN_NOTHING_TO_DO, metrics=summary, reason=short, data_version=plan.data_version)
@@ -229,7 +230,7 @@ def _load_inputs(cfg, registry: Registry, plan: WindowPlan, memory: PhaseMemory)
 
     with memory.phase("target"):
         start = resolve_warm_start(cfg, registry)
-        pool = rehearsal_pool(cfg) if plan.rehearsal else []  # cached before other ranks look for it
+        pool = rehearsal_pool(cfg) if plan.rehearsal else None  # cached before other ranks look for it
         announce(plan, start.folder)
         target = load_target_heads(cfg)
         spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)

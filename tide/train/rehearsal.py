@@ -113,13 +113,14 @@ def add_rehearsal(data: WindowData, pool: list[Sample], n: int, max_seq_len: int
 def load_training(cfg, data_dir, plan: WindowPlan, spill_dir: Path | None,
                   pool: list[Sample] | None = None) -> WindowData:
     """``load_window`` plus the plan's rehearsal (from ``pool``, else the cached pool): what every
-    rank and bench trains on."""
+    rank and bench trains on. A pool smaller than the count planned (a short workload file) gives
+    all it has, and ``plan.rehearsal`` is set to that, so the lineage records what was trained on."""
     tc = cfg.train
     data = load_window(data_dir, plan, tc.train_on_prompt, tc.max_seq_len, spill_dir=spill_dir)
     try:
         if plan.rehearsal:
-            add_rehearsal(data, pool if pool else rehearsal_pool(cfg), plan.rehearsal, tc.max_seq_len,
-                          tc.train_on_prompt)
+            pool = pool if pool is not None else rehearsal_pool(cfg)
+            plan.rehearsal = add_rehearsal(data, pool, plan.rehearsal, tc.max_seq_len, tc.train_on_prompt)
     except BaseException:
         data.close()
         raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tide.config import TrainConfig, replace
+from tide.config import ConfigError, TrainConfig, replace
 from tide.train.rehearsal import add_rehearsal, rehearsal_count
 from tide.train.spill import StateFile
 from tide.train.trainer import Sample
@@ -65,17 +65,37 @@ def test_pool_samples_join_the_window_after_it_truncated_and_bit_identical(tmp_p
 
 
 @pytest.mark.parametrize("writable", [True, False])
-def test_the_pool_is_generated_once_per_home_and_served_where_it_cannot_be_cached(tmp_path, monkeypatch, writable):
-    """A retrain Job's image is read-only: without a prebuilt pool it still trains, generating it each time."""
-    from tide import config
-    from tide.train import rehearsal
+def test_the_pool_is_generated_once_per_home_and_served_where_it_cannot_be_cached(tmp_path, caplog, writable):
+    """The target (a tiny real one) answers the workload file's prompts; a retrain Job's image is read-only:
+    without a prebuilt pool it still trains, generating the pool each time."""
+    import json
+    import logging
 
-    cfg = config.load_config(overrides={"home": str(tmp_path), "train": {"rehearsal_prompts": 2}}, env={})
+    from tide.config import load_config
+    from tide.models.tiny import tiny_llama_checkpoint
+    from tide.train.rehearsal import pool_path, rehearsal_pool
+
+    folder = tiny_llama_checkpoint(tmp_path / "target")
+    prompts = tmp_path / "base.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n" for w in ("tea", "maps")))
+    home = tmp_path / "home"
+    cfg = load_config(overrides={"home": str(home), "train": {"rehearsal_prompts": 2, "rehearsal_workload": str(prompts)},
+                                 "model": {"target": str(folder), "model_id": "tiny/t", "aux_layer_ids": [1, 2, 3],
+                                           "max_seq_len": 512}}, env={})
     if not writable:
-        (tmp_path / "train-cache").write_text("a file where the cache folder would go")
-    built = []
-    monkeypatch.setattr(rehearsal, "_generate", lambda c: built.append(c) or [sample(6, 7), sample(4, 8)])
-    first, second = rehearsal.rehearsal_pool(cfg), rehearsal.rehearsal_pool(cfg)
-    assert len(built) == (1 if writable else 2) and rehearsal.pool_path(cfg).exists() == writable
-    for a, b in zip(first, second):
+        home.mkdir()
+        (home / "train-cache").write_text("a file where the cache folder would go")
+    with caplog.at_level(logging.INFO, logger="tide.train.rehearsal"):
+        first, second = rehearsal_pool(cfg), rehearsal_pool(cfg)
+    generated = [r.getMessage() for r in caplog.records if "generated" in r.getMessage()]
+    assert len(generated) == (1 if writable else 2) and pool_path(cfg).exists() == writable, generated
+    assert writable or "not cached" in generated[0]
+    assert len(first) == len(second) == 2 and all(s.loss_mask.sum() > 0 for s in first)  # answers, not prompts only
+    for a, b in zip(first, second):  # greedy: the same answers and states either way
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.states()[0], b.states()[0])
+
+
+@pytest.mark.parametrize("prompts", [-1, 1025])
+def test_a_pool_size_out_of_bounds_is_refused_by_the_config(prompts):
+    with pytest.raises(ConfigError, match="rehearsal_prompts"):
+        replace(TrainConfig(), rehearsal_prompts=prompts)
