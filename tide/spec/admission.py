@@ -16,11 +16,12 @@ Drafting must beat none by ``MIN_GAIN``. Every count is scanned, not only up to 
 the row kernel's passes make the verify cost a staircase, where a larger count can pay again.
 
 Before the drafter runs the step drafts only where drafting and then admitting on the live signal
-is expected to pay: recent live chains of each row's workload are replayed through the admission
-(``SAMPLED_ROWS`` rows' worth of draws) and their mean tokens over mean seconds compared with a
-target-only step. A probe row (``min_lens``) verifies at least one draft whatever the figures say,
-so acceptance stays measured. Which drafts are verified never changes what is committed beyond
-how many tokens a step commits: lossless.
+is expected to pay: recent live chains of each row's workload are replayed through the step as it
+would run (``SAMPLED_ROWS`` rows' worth of draws; the drafter paid for the depths it would run, no
+more) and their mean tokens over mean seconds compared with a target-only step. A probe row
+(``min_lens``) verifies at least one draft whatever the figures say, so acceptance stays measured.
+Which drafts are verified never changes what is committed beyond how many tokens a step commits:
+lossless.
 """
 from __future__ import annotations
 
@@ -78,21 +79,41 @@ def drafting_gain(trackers: list[AcceptanceTracker], caps: list[int], greedy: li
     """Expected tokens/s of drafting then admitting on the live signal, over a target-only step's.
 
     Each draw gives every row one of its workload's recent raw chains (rows without any, or
-    sampled ones, their running rates) and admits as the live step would; a draw's drafter runs
-    one depth past its deepest admitted draft (the depth that showed no more pays)."""
+    sampled ones, their running rates) and plays the step as ``AdmissionPlan`` would: the drafter
+    goes one depth deeper while the admission on what it has drafted so far admits deeper."""
     n = len(trackers)
     most = max(1, min(max_depth, max(caps)))
     draws = max(1, -(-SAMPLED_ROWS // n))
     tokens = secs = 0.0
-    ran = lambda k, deepest: seconds(k, min(most, deepest + 1))  # noqa: E731
     for r in range(draws):
-        survival = []
-        for b, t in enumerate(trackers):
-            chain = t.chains[(r * n + b) % len(t.chains)] if greedy[b] and t.chains else None
-            survival.append(survival_of(t, chain, max_depth) if caps[b] > 0 else [])
-        _, tok, sec = admit(survival, caps, ran)
+        chains = [t.chains[(r * n + b) % len(t.chains)] if greedy[b] and t.chains and caps[b] > 0 else None
+                  for b, t in enumerate(trackers)]
+        longest = max((len(c) for c in chains if c), default=0)
+        memo: dict[int, list[list[float]]] = {}
+
+        def survival_at(d: int, chains=chains, longest=longest, memo=memo) -> list[list[float]]:
+            d = min(d, longest)  # past the longest chain nothing more is known: the same figures
+            if d not in memo:
+                memo[d] = [survival_of(t, c[:d] if c else None, max_depth) if cap > 0 else []
+                           for t, c, cap in zip(trackers, chains, caps)]
+            return memo[d]
+        tok, sec = planned_step(survival_at, caps, seconds, most)
         tokens, secs = tokens + tok, secs + sec
     return (tokens / secs) / (n / seconds(0, 0))
+
+
+def planned_step(survival_at: Callable[[int], list[list[float]]], caps: list[int], seconds: Seconds,
+                 most: int) -> tuple[float, float]:
+    """(expected tokens, seconds) of one drafted step as ``AdmissionPlan`` runs it: after depth d
+    (``survival_at(d)``: what d drafted depths show) the drafter goes on where the admission
+    admits deeper, else the step verifies what is admitted up to d and pays d drafted depths."""
+    for d in range(1, most + 1):
+        survival = survival_at(d)
+        if d < most and max(admit(survival, caps, lambda k, deepest: seconds(k, max(deepest, d)))[0]) > d:
+            continue
+        _, tokens, secs = admit(survival, [min(c, d) for c in caps], lambda k, _deepest: seconds(k, d))
+        return tokens, secs
+    raise AssertionError("unreachable: the deepest depth always verifies")
 
 
 class AdmissionPlan:

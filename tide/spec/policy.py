@@ -66,6 +66,7 @@ class SpecPolicy:
         self.judged_rows = 0  # the serving drafter's verified drafted rows (what the guard judges)
         self._starved: dict[str, int] = {}  # workload -> its steps since a row of it verified a draft
         self._settled = False  # this step's rows have learnt acceptance (see plan)
+        self._deferred_feed_s = 0.0  # this step's feed seconds charged to later steps (see plan)
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._version = "none"
         # (unix time, workload, drafter version, on, reason, acceptance by depth) per gate change
@@ -83,9 +84,13 @@ class SpecPolicy:
         if self.scheduler == "stop_rule":
             return True, StopRule(self.stop_prob)
         names = [w or DEFAULT_WORKLOAD for w in workloads]
-        room = room if room is not None else [gamma] * len(names)
-        greedy = greedy if greedy is not None else [True] * len(names)
-        feed_positions = amortized_feed(feed_positions, room)
+        n = len(names)
+        room = room if room is not None else [gamma] * n
+        greedy = greedy if greedy is not None else [True] * n
+        charged = amortized_feed(feed_positions, room)
+        # the feed this step pays but charges to the drafted steps after it (observe_step_wall)
+        self._deferred_feed_s = self.cost.refeed_s(n, feed_positions) - self.cost.refeed_s(n, charged)
+        feed_positions = charged
         if self.scheduler == "dspark":
             return self._plan_admission(names, gamma, feed_positions, room, greedy)
         trackers = [self._tracker(w) for w in names]
@@ -101,7 +106,6 @@ class SpecPolicy:
             on, probe = decided[w]
             caps.append(max(0, min(gamma, left)) if on or probe else 0)  # tokens past the budget are dropped
             probing |= probe
-        n = len(names)
         # drafted steps count toward the realized rate once the rows' acceptance is learnt: steps
         # taken on the prior's optimism say little about what drafting delivers from here on
         self._settled = all(t.drafts_seen >= SETTLED_DRAFTS for t in trackers)
@@ -178,7 +182,7 @@ class SpecPolicy:
         if self.cost is not None:
             self.cost.observe_overhead(n_rows, drafted, wall_s - forwards_s)
         if drafted and self._settled:
-            self.realized.observe(n_rows, tokens, wall_s)
+            self.realized.observe(n_rows, tokens, wall_s - self._deferred_feed_s)
 
     def observe_spec_step(self, workloads: list[str | None], stats: StepStats, plan: Planner) -> None:
         self.judged_rows += sum(1 for d in stats.drafted if d > 0)

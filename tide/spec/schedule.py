@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior
 TRACK_DECAY = 0.02  # weight of one observation in the running rates (~50 recent drafts)
+# weight of one verified draft in the live signal's calibration (~200 recent drafts): the chain
+# carries what moves from row to row; its calibration is a property of the drafter on the
+# workload, and a noisy one feeds back: a low estimate drafts less, so it is corrected less often
+CALIB_DECAY = 0.005
 # drafting must promise this much more tokens/s than target-only: near break-even the estimates'
 # noise (running acceptance, live step timings) decides, and a wrong guess to draft costs a whole
 # verify while a wrong guess not to costs a fraction of a token per row
@@ -137,14 +141,14 @@ class AcceptanceTracker:
         first truncated depth counts as a trial with its calibrated conditional survival as a soft
         outcome, so a drafter whose own signal keeps truncating is learnt to be poor (and gated)
         instead of being run every step at its prior rate."""
-        keep = 1.0 - TRACK_DECAY
+        keep, keep_calib = 1.0 - TRACK_DECAY, 1.0 - CALIB_DECAY
         for j in range(1, min(drafted, self.depth) + 1):
             if accepted >= j - 1:  # draft j was a trial only if j-1 survived
                 c = self.cond[j - 1]
                 c[0], c[1] = c[0] * keep + (accepted >= j), c[1] * keep + 1.0
             if raw_chain is not None and j <= len(raw_chain):
                 k = self.calib[j - 1]
-                k[0], k[1] = k[0] * keep + (accepted >= j), k[1] * keep + raw_chain[j - 1]
+                k[0], k[1] = k[0] * keep_calib + (accepted >= j), k[1] * keep_calib + raw_chain[j - 1]
         j = drafted + 1
         if raw_chain is not None and accepted == drafted and j <= min(ran, self.depth, len(raw_chain)):
             before = self.calibrate(j - 1, raw_chain[j - 2]) if j > 1 else 1.0
@@ -298,8 +302,12 @@ class WorkloadGate:
 
 class RealizedRate:
     """What drafted steps actually delivered, by batch rows: committed tokens per second of whole
-    steps (everything the cost model does not see included: a new request's prompt feed, tokens
-    past a request's budget, cache effects), against the measured target-only step.
+    steps (everything the cost model does not see included: tokens past a request's budget, cache
+    effects), against the measured target-only step. The drafter's catch-up feed (a new prompt,
+    positions deferred by target-only steps) counts as the schedulers charge it, spread over the
+    drafted steps it enables (the caller takes the rest off ``wall_s``): counted whole, a figure
+    taken from sporadic drafted steps (probes) reads each as a catch-up, and a load that steady
+    drafting pays stays refused.
 
     The model above decides from expected figures; this is the check that keeps speculation from
     being slower than target-only when those figures are off: at a row count where drafted steps
@@ -321,10 +329,10 @@ class RealizedRate:
         self._since_probe: dict[int, int] = {}
 
     def observe(self, rows: int, tokens: int, wall_s: float) -> None:
-        r = self.drafted.get(rows)
-        if r is None:
-            self.drafted[rows] = [float(tokens), wall_s, 1]
-            return
+        # averages that start from nothing: seeded with its first step, a figure would carry that
+        # step at ~half weight when first trusted, and the first drafted step at a new load is the
+        # unusual one (it feeds the drafter every new prompt)
+        r = self.drafted.setdefault(rows, [0.0, 0.0, 0])
         r[0] += self.EWMA * (tokens - r[0])
         r[1] += self.EWMA * (wall_s - r[1])
         r[2] += 1

@@ -62,6 +62,19 @@ def test_drafting_gain_replays_recent_chains_through_the_admission():
     assert drafting_gain([mixed, mixed], [3, 3], [True, True], seconds, 3) > 1.1
 
 
+def test_drafting_gain_pays_the_drafter_the_depths_the_live_plan_would_run():
+    # a depth costs 0.3 s: the replay must charge what the step would run, not a depth past it
+    seconds = packed_seconds(base=1.0, per_draft=0.1, per_depth=0.3)
+    stops = _with_chains([[0.9]] * 4)
+    stops.cond = [[500.0, 1000.0], [10.0, 1000.0], [10.0, 1000.0]]  # past depth 1 nothing survives
+    # depth 1 admitted, and what depth 1 shows admits nothing deeper: one depth run
+    assert drafting_gain([stops], [3], [True], seconds, 3) == pytest.approx((1 + 0.9) / (1.0 + 0.1 + 0.3))
+    goes_on = _with_chains([[0.9]] * 4)
+    goes_on.cond = [[500.0, 1000.0], [900.0, 1000.0], [10.0, 1000.0]]
+    # depth 2 (0.9 x 0.9) pays too: the drafter runs two depths and both are verified
+    assert drafting_gain([goes_on], [3], [True], seconds, 3) == pytest.approx((1 + 0.9 + 0.81) / (1.0 + 0.2 + 0.6))
+
+
 def _drafts(chain_rows, greedy=None):
     probs = torch.tensor(chain_rows)
     return Drafts(torch.zeros_like(probs, dtype=torch.long), probs, None, greedy or [True] * len(chain_rows))

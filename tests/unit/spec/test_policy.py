@@ -190,3 +190,25 @@ def test_a_deferred_feed_is_charged_over_the_steps_it_enables(scheduler, monkeyp
     assert policy.plan(["chat", "chat"], 3, feed, [20, 20])[0]  # the prior's acceptance pays
     monkeypatch.setattr(policy_module, "REFEED_STEPS", 1)  # charged whole: 2 s on a 1 s step
     assert not SpecPolicy(scheduler, 3, 0.3, cost).plan(["chat", "chat"], 3, feed, [20, 20])[0]
+
+
+def test_the_realized_rate_counts_a_catch_up_feed_as_the_decision_charges_it():
+    """A drafted step after target-only ones feeds the drafter every deferred position. The check of
+    what drafting delivers counts that feed spread over the steps it enables, as the decision did:
+    counted whole, every sporadic drafted step (a probe) reads as a loss and drafting stays refused."""
+    from tide.spec.cost import STEADY_FEED
+    from tide.spec.policy import SETTLED_DRAFTS
+
+    cost = linear_cost(2, 3, per_token_s=0.05, draft_per_depth_s=0.01)
+    cost.observe_refeed(2, 64, 2.0, live=False)  # 2 s for 64 deferred positions
+    policy = SpecPolicy("dspark", 3, 0.3, cost)
+    policy._tracker("chat").drafts_seen = SETTLED_DRAFTS  # acceptance learnt: drafted steps count
+    assert policy.plan(["chat", "chat"], 3, STEADY_FEED + 64, [20, 20])[0]
+    policy.observe_step_wall(2, wall_s=3.2, forwards_s=3.1, drafted=True, tokens=4)
+    tokens, seconds, _ = policy.realized.drafted[2]
+    # charged 8 of the 64 positions (spread over 8 steps): 2 s x 56/64 is the later steps' share
+    assert seconds / tokens == pytest.approx((3.2 - 2.0 * 56 / 64) / 4)
+    assert policy.plan(["chat", "chat"], 3, STEADY_FEED, [20, 20])[0]
+    policy.observe_step_wall(2, wall_s=1.2, forwards_s=1.1, drafted=True, tokens=4)  # a steady feed: all of it
+    assert policy.realized.drafted[2][1] / policy.realized.drafted[2][0] == pytest.approx(
+        (0.95 * 0.05 * (3.2 - 1.75) + 0.05 * 1.2) / (0.95 * 0.05 * 4 + 0.05 * 4))

@@ -1,7 +1,17 @@
 """The cost scheduler's decisions: best level, live truncation, running acceptance, the workload gate."""
+import random
+
 import pytest
 
-from tide.spec.schedule import PEEK_HISTORY, AcceptanceTracker, StepPlan, WorkloadGate, best_level, peek_rate
+from tide.spec.schedule import (
+    CALIB_DECAY,
+    PEEK_HISTORY,
+    AcceptanceTracker,
+    StepPlan,
+    WorkloadGate,
+    best_level,
+    peek_rate,
+)
 
 
 def test_best_level_looks_past_a_level_that_does_not_pay_alone():
@@ -63,7 +73,8 @@ def test_tracker_counts_a_depth_as_a_trial_only_after_the_depth_before_survived(
     assert t.cond[1] == pytest.approx([before[1][0] * keep, before[1][1] * keep + 1])  # rejected
     assert t.cond[2] == pytest.approx(before[2])  # never reached
     # calibration: observed accepts against predicted survival, at every drafted depth
-    assert t.calib[1] == pytest.approx([4.0 * keep, 4.0 * keep + 0.5])
+    slow = 1 - CALIB_DECAY
+    assert t.calib[1] == pytest.approx([4.0 * slow, 4.0 * slow + 0.5])
 
 
 def test_tracker_calibration_scales_an_overconfident_signal_down():
@@ -72,6 +83,23 @@ def test_tracker_calibration_scales_an_overconfident_signal_down():
         t.observe(1, 0, [0.9])  # predicted 0.9, never accepted
     assert t.calibrate(1, 0.9) < 0.05
     assert t.survival()[0] < 0.05
+
+
+def test_a_calibrated_signal_keeps_its_calibration_near_one_in_nearly_every_history():
+    # what admission decides on is chain x calibration; a history that happens to read the ratio
+    # low drafts less and so corrects it less often (a drafter stuck at 0.8 of its true acceptance
+    # drafted a third of the steps a paying load wanted): the ratio must not wander that far on
+    # noise alone. Accepts here are drawn at exactly the predicted survival.
+    rng = random.Random(7)
+    ratios = []
+    for _ in range(300):
+        t = AcceptanceTracker(1)
+        for _ in range(600):
+            raw = rng.uniform(0.2, 1.0)
+            t.observe(1, int(rng.random() < raw), [raw])
+        ratios.append(t.calibrate(1, 0.5) / 0.5)
+    ratios.sort()
+    assert ratios[7] > 0.9 and ratios[-8] < 1.1  # the central 95%
 
 
 def test_gate_switches_a_workload_off_probes_it_and_resets_on_a_new_drafter():
@@ -180,6 +208,18 @@ def test_realized_rate_stops_drafting_where_drafted_steps_delivered_less_and_pro
     assert rr.allows(4, lambda n: 0.392)  # 10.2 tok/s, within 2%: drafting is kept
     assert rr.allows(4, lambda n: 0.6)  # 6.7 tok/s target-only: drafting delivers more
     assert rr.allows(2, lambda n: 0.01)  # fewer rows: a refusal at 4 says nothing about 2
+
+
+def test_realized_rate_does_not_let_its_first_step_dominate_the_figure():
+    # the first drafted step at a new load feeds the drafter every new prompt: slow and unusual
+    from tide.spec.schedule import RealizedRate
+
+    rr = RealizedRate(probe_steps=5)
+    rr.observe(4, tokens=5, wall_s=2.0)
+    for _ in range(RealizedRate.MIN_STEPS - 1):
+        rr.observe(4, tokens=5, wall_s=0.5)  # 10 tok/s from then on
+    assert rr.tokens_per_s(4) > 8.5  # one step in 16, near its share; seeded with it, the figure read 4.2
+    assert rr.allows(4, lambda n: 0.5)  # 8 tok/s target-only: drafting delivers more
 
 
 def test_realized_rate_refusal_at_fewer_rows_holds_where_a_row_count_has_no_figure():
