@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -24,6 +24,7 @@ from tide.workloads import Prompt
 # answers that refuse the prompt itself (over the engine's prompt or body limits, malformed): the
 # engine working as it should on input it cannot serve, counted apart from failures
 REFUSED_INPUT = (400, 413, 422)
+WAIT_SLICE_S = 0.2  # how often the caller's thread wakes while workers replay (see replay)
 
 
 @dataclass
@@ -86,10 +87,15 @@ def replay(base_url: str, prompts: Iterable[Prompt], concurrency: int, max_token
 
     try:
         with ThreadPoolExecutor(concurrency) as pool:
-            futures = [pool.submit(worker) for _ in range(concurrency)]
             try:
-                for f in futures:
-                    f.result()  # a worker's exception (from on_done or until) reaches the caller
+                pending = {pool.submit(worker) for _ in range(concurrency)}
+                while pending:
+                    # a bounded wait: a signal (Ctrl-C) the kernel hands to a worker thread runs its
+                    # handler in this thread only when this thread next runs, and an unbounded wait
+                    # on workers replaying an endless source never returns to run it
+                    done, pending = wait(pending, timeout=WAIT_SLICE_S, return_when=FIRST_EXCEPTION)
+                    for f in done:
+                        f.result()  # a worker's exception (from on_done or until) reaches the caller
             except BaseException:
                 abort.set()  # the caller stops (Ctrl-C, a worker's error): every worker ends its request and stops
                 raise

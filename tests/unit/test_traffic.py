@@ -207,3 +207,36 @@ def test_an_interrupt_of_the_caller_stops_every_worker(chat_url):
     sent = result.sent
     time.sleep(0.3)
     assert sent > 0 and result.sent == sent  # nothing sent after the caller left
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_another_thread_receives_still_stops_the_workers(chat_url):
+    """The kernel may hand a process signal (Ctrl-C) to any thread; Python runs its handler in the
+    caller's thread, but only once that thread runs again: a caller blocked on its workers until
+    they ran out would replay the whole source first (forever, for an endless one)."""
+    import itertools
+    import signal
+    import threading
+    import time
+
+    from tide.traffic import TrafficResult, replay
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    def deliver_here() -> None:
+        time.sleep(0.5)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # this thread, not the caller's
+
+    result, total = TrafficResult(), 20000
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    threading.Thread(target=deliver_here, daemon=True).start()
+    try:
+        with pytest.raises(Interrupted):
+            replay(chat_url, itertools.islice(_prompts(), total), concurrency=3, max_tokens=3, result=result)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert 0 < result.sent < total / 2
