@@ -91,6 +91,8 @@ class LoopWatch:
         if version == "mixed":  # engines disagree while a rollout is under way: not swapped yet
             version = self.version
         with self._lock:
+            if self.closed or self.reason is not None:  # the outcome stands: requests still in flight
+                return version  # finish, and a swap among them is not the one the loop judged
             if version != self.version:
                 self.swaps.append((time.monotonic() - self.sampler.t0, version))
                 self.sampler.mark(f"swap to v{version}")

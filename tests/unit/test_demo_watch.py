@@ -82,3 +82,19 @@ def test_a_second_swap_is_the_final_drafter(fleet):
     fleet.launched, fleet.finished, fleet.version = 2, 1, "3"
     watch.on_done()
     assert watch._final_done(time.monotonic()) and watch.version == "3"
+
+
+def test_a_swap_after_the_loop_closed_leaves_its_outcome_as_judged(fleet):
+    # requests in flight when the loop closes still finish and report; a swap among them (a later
+    # retrain's challenger) must not replace the version, swap time and count the loop was judged on
+    watch = LoopWatch(fleet.stack, AcceptanceSampler(f"{fleet.stack.endpoints['engine']}/metrics"), "1",
+                      DemoSettings(), time.monotonic())
+    fleet.version = "2"
+    for _ in range(9):
+        watch.on_done()
+    watch.closed, watch.t_closed = True, time.monotonic()
+    fleet.version = "3"
+    watch.on_done()
+    watch.on_done()
+    out = watch.outcome()
+    assert watch.version == "2" and out["served_after_swap"] == 9 and out["post_swap_s"] >= 0 and out["swaps"] == 1
