@@ -276,8 +276,13 @@ def verify(target: LlamaTarget, cache: KVCache, rows: list[RowInput], draft_toke
     fed = torch.cat(parts, dim=1)
     start = torch.tensor([r.t_len for r in rows])
     slots = torch.tensor([r.slot for r in rows])
-    packed = None if lengths is None or min(lengths) == max(lengths) else torch.tensor(lengths) + 1
-    return fed, target.forward(fed, start, cache, slots, tree=layout, lengths=packed)
+    return fed, target.forward(fed, start, cache, slots, tree=layout, lengths=packed_forward(lengths))
+
+
+def packed_forward(lengths: list[int] | None) -> torch.Tensor | None:
+    """The ``lengths=`` a verify of rows with ``lengths`` drafts passes the target: [B] tokens per
+    row, or None where every row has one length (the plain forward is that shape, and cheaper)."""
+    return None if lengths is None or min(lengths) == max(lengths) else torch.tensor(lengths) + 1
 
 
 def speculative_step(target: LlamaTarget, drafter: Eagle3Drafter, target_cache: KVCache,

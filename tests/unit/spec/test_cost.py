@@ -145,6 +145,27 @@ def test_a_packed_profile_measures_the_grid_of_total_drafts(tiny_target, tiny_dr
         assert all(v > 0 and math.isfinite(v) for v in row) and row == sorted(row)
 
 
+def test_a_packed_profile_times_each_shape_as_a_verify_of_it_runs(tiny_target):
+    # a verify whose rows all carry one length runs the plain forward (tide/spec/decode.py): timed
+    # through the packed path instead, one row's cells read slower than any step it ever takes
+    from tide.spec.cost import packed_lengths, profile_shapes
+
+    shapes = profile_shapes(tiny_target, None, tiny_target.new_cache(3, 64), None, max_rows=3, max_depth=2,
+                            context_len=20, refeed_positions=8, packed=True, head=None)
+    seen = set()
+    for (kind, rows, drafts), run in shapes:
+        if kind != "packed":
+            continue
+        lengths = packed_lengths(rows, drafts)
+        even = min(lengths) == max(lengths)
+        seen.add(even)
+        assert run.args[0].shape == (rows, 1 + max(lengths))
+        assert (run.keywords["lengths"] is None) == even, (rows, drafts)
+        if not even:
+            assert run.keywords["lengths"].tolist() == [n + 1 for n in lengths]
+    assert seen == {True, False}
+
+
 def test_a_packed_cell_timed_above_a_later_one_is_pooled_with_it():
     cost = StepCostModel(max_rows=1, max_depth=4, ewma=0.5)
     for drafts, seconds in [(0, 1.0), (1, 1.6), (2, 1.2), (4, 2.0)]:  # (1, 1.6): another process on the core
