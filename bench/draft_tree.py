@@ -36,10 +36,11 @@ SHAPES = ("1,1,1,1", "2,1,1,1", "3,1,1,1", "2,2,1,1", "3,2,1,1", "4,2,1,1", "3,2
 
 @torch.no_grad()
 def target_ranks(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sample, depth: int) -> tuple[torch.Tensor, ...]:
-    """(ranks [n, depth], counted [n, depth]): the rank of the target's greedy token among the
-    drafter's draft-vocab logits at each depth of the teacher-forced chain from each generated
-    position (a token outside the draft vocab ranks past every draft); ``counted``: that depth's
-    token is generated (not past the answer's end)."""
+    """(ranks [n, depth], counted [n, depth], top [n, depth]): the rank of the target's greedy token
+    among the drafter's draft-vocab logits at each depth of the teacher-forced chain from each
+    generated position (a token outside the draft vocab ranks past every draft); ``counted``: that
+    depth's token is generated (not past the answer's end); ``top``: the drafter's own top
+    probability there (what the engine's live signal multiplies)."""
     prepare([sample], drafter, lm_head)
     batch = collate([sample], len(sample))
     rows = needed_rows(batch.loss_mask, 1)
@@ -47,15 +48,16 @@ def target_ranks(drafter, embed: torch.Tensor, lm_head: torch.Tensor, sample, de
     vd = drafter.d2t.shape[0]
     draft_of = torch.full((drafter.t2d.shape[0],), -1, dtype=torch.long)
     draft_of[torch.arange(vd) + drafter.d2t] = torch.arange(vd)  # target id -> draft id
-    ranks, counted = [], []
+    ranks, counted, tops = [], [], []
     for step, logits, _ in unroll(drafter, embed, batch, depth, rows=rows):
+        tops.append(torch.softmax(logits.float(), dim=-1).amax(-1))
         top = rows.at(batch.target_top, step)
         d = draft_of[top]
         own = logits.gather(1, d.clamp(min=0)[:, None])
         rank = (logits > own).sum(-1)
         ranks.append(torch.where(d >= 0, rank, torch.full_like(rank, vd)))
         counted.append(rows.at(batch.loss_mask, step) > 0)
-    return torch.stack(ranks, 1)[base], torch.stack(counted, 1)[base]
+    return torch.stack(ranks, 1)[base], torch.stack(counted, 1)[base], torch.stack(tops, 1)[base]
 
 
 def tokens_per_forward(ranks: torch.Tensor, counted: torch.Tensor, shape: tuple[int, ...]) -> float:
@@ -99,11 +101,11 @@ def main(argv=None) -> int:
         held = prompt_samples(target, tokenizer, eos, heldout_prompts(kind, args.heldout, recipe.seed, cfg.home_path),
                               recipe, args.cache, f"heldout-{kind}-{args.heldout}x{recipe.max_new_tokens}", False)
         per = [target_ranks(drafter, target.embed_weight, target.lm_head_weight, s, depth) for s in held]
-        ranks, counted = torch.cat([r for r, _ in per]), torch.cat([c for _, c in per])
+        ranks, counted = torch.cat([r for r, _, _ in per]), torch.cat([c for _, c, _ in per])
         chain = tokens_per_forward(ranks, counted, (1,) * depth)
         for shape in shapes:
             pooled = tokens_per_forward(ranks, counted, shape)
-            prompts = [tokens_per_forward(r, c, shape) for r, c in per]
+            prompts = [tokens_per_forward(r, c, shape) for r, c, _ in per]
             lo, hi = interval90(prompts)
             row = {"kind": kind, "shape": list(shape), "nodes": sum(shape), "tokens_per_forward": round(pooled, 4),
                    "interval90": [round(lo, 4), round(hi, 4)], "over_chain": round(pooled / chain, 4)}
