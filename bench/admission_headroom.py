@@ -93,7 +93,7 @@ def score(sig: dict, picks: torch.Tensor, table: dict, rows: int) -> dict:
     return out
 
 
-def ratio_interval(num_tok, num_s, den_tok, den_s, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+def rate_ratio_interval(num_tok, num_s, den_tok, den_s, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """(ratio of tokens/s, its 90% bootstrap interval over steps)."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(len(num_tok), (draws, len(num_tok)), generator=g)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         sig = signal([target_ranks(drafter, target.embed_weight, target.lm_head_weight, s, GAMMA) for s in held])
         for rows in batches:
             r = score(sig, draw_steps(sig, rows, args.steps, seed=rows), table, rows)
-            adm = ratio_interval(r["admit_tokens"], r["admit_s"], r["level_tokens"], r["level_s"])
+            adm = rate_ratio_interval(r["admit_tokens"], r["admit_s"], r["level_tokens"], r["level_s"])
             cell = {"kind": kind, "rows": rows, "admission_over_level": [round(v, 4) for v in adm],
                     "level_over_target": round(float(r["level_tokens"].sum() / r["level_s"].sum()) / r["target_rate"], 4),
                     "admission_over_target": round(float(r["admit_tokens"].sum() / r["admit_s"].sum())
