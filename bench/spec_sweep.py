@@ -7,13 +7,17 @@ drafts ranked on the top-probability chain). For each concurrency B and round, t
 held-out prompts go through one reference engine per mode (all alive at once and serving every
 concurrency, the mode order rotated per round so drift in machine load hits all alike). Decode
 tokens/s of a round = tokens after every request's first token / seconds from then until the last
-finishes (prefill excluded). Ratios come with 90% paired bootstrap intervals over rounds: every
+finishes (prefill excluded). A round run to its end charges the scheduler its tail: as requests
+finish at different steps the batch drains, and the last ones decode at fewer rows than B.
+``--steady`` times a window with every request in flight instead: requests get three times the
+tokens, the window is what a target-only round takes (a warm-up round at each B), and only the
+steps wholly received within it count. Ratios come with 90% paired bootstrap intervals over rounds: every
 mode over target-only, DSpark over the cost scheduler and over itself without the head. Greedy
 outputs are compared with target-only's request by request (``identical`` counts). The costed
 engines measure their step cost at start-up and keep it and their running acceptance current
 from their own steps across the concurrencies.
 
-    python -m bench.spec_sweep --workload chat --batch 1,2,4,8 --rounds 6 [--drafter DIR] [--json out.json]
+    python -m bench.spec_sweep --workload chat --batch 1,2,4,8 --rounds 6 [--steady] [--drafter DIR] [--json out.json]
 """
 from __future__ import annotations
 
@@ -38,16 +42,27 @@ MODES = ("target", "fixed", "stop_rule", "cost", "dspark", "dspark-nohead")
 PAIRS = (("dspark", "cost"), ("dspark", "dspark-nohead"), ("cost", "stop_rule"))  # (over, under) when both run
 
 
-def run_round(engine, prompts, n, workload, tag):
-    """Decode ``prompts`` concurrently; returns (tokens after all first tokens, seconds, each request's tokens)."""
+STEP_GAP_S = 0.01  # one step's events reach their readers within this of each other; steps are further apart
+
+
+def run_round(engine, prompts, n, workload, tag, window_s: float | None = None):
+    """Decode ``prompts`` concurrently; returns (decode tokens, seconds, each request's tokens).
+
+    ``window_s`` None: the round runs until the last request finishes (every token after each
+    request's first, until the last finishes). Else the steady window: requests may run far past
+    it, and only the steps wholly received within ``window_s`` after every first token count (all
+    B requests in flight throughout; the window closes early at a request's end), then the
+    requests are cancelled."""
     firsts, lock, started = [0], threading.Lock(), threading.Event()
-    counts, t_start, outs = [0] * len(prompts), [0.0], [[] for _ in prompts]
+    t_start, outs = [0.0], [[] for _ in prompts]
+    seen: list[list[tuple[float, int, bool]]] = [[] for _ in prompts]  # (received at, tokens, last)
 
     def one(k, ids):
         req = GenerationRequest(f"{tag}-{k}", tuple(ids), SamplingParams(max_new_tokens=n, ignore_eos=True),
                                 workload=workload)
+        events = engine.submit(req)
         first = True
-        for ev in engine.submit(req):
+        for ev in events:
             outs[k].extend(ev.token_ids)
             if first:
                 first = False
@@ -58,11 +73,40 @@ def run_round(engine, prompts, n, workload, tag):
                         started.set()
                 started.wait()
                 continue
-            counts[k] += len(ev.token_ids)
+            now = time.perf_counter()
+            seen[k].append((now, len(ev.token_ids), ev.finished))
+            if window_s is not None and now > t_start[0] + window_s:
+                events.close()  # the request is dropped at the engine's next step
+                break
     threads = [threading.Thread(target=one, args=(k, ids)) for k, ids in enumerate(prompts)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    return sum(counts), time.perf_counter() - t_start[0], outs
+    if window_s is None:
+        return sum(c for evs in seen for _, c, _ in evs), time.perf_counter() - t_start[0], outs
+    tokens, seconds = steady_window(seen, t_start[0], window_s)
+    return tokens, seconds, outs
+
+
+def steady_window(seen: list[list[tuple[float, int, bool]]], t_start: float, window_s: float) -> tuple[int, float]:
+    """(tokens, seconds) of the steps wholly received by ``t_start + window_s`` or the first
+    request's end, whichever is first: the window closes at a step's end, as it opens at one."""
+    ends = [t for evs in seen for t, _, last in evs if last]
+    close = min([t_start + window_s, *ends])
+    received = sorted((t, c) for evs in seen for t, c, _ in evs if t >= t_start)
+    last = max(t for t, _ in received if t <= close)
+    kept = [(t, c) for t, c in received if t <= last + STEP_GAP_S]
+    return sum(c for _, c in kept), kept[-1][0] - t_start
+
+
+def settle(engine, timeout_s: float = 30.0) -> None:
+    """Wait until the engine has no request left (a steady window's cancelled ones leave at its next step)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        h = engine.health()
+        if h["running"] == 0 and h["waiting"] == 0:
+            return
+        time.sleep(0.01)
+    raise RuntimeError("the engine still serves a cancelled round's requests")
 
 
 def build_engines(modes, target, tok, drafter, version, size: dict, stop_prob: float) -> dict:
@@ -109,6 +153,9 @@ def main() -> int:
     ap.add_argument("--modes", default="target,cost,dspark", help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--drafter", default=None, help="drafter folder (default: the static drafter)")
     ap.add_argument("--max-seq-len", type=int, default=384)
+    ap.add_argument("--steady", action="store_true",
+                    help="time a steady window (every request in flight) instead of rounds run to their end; "
+                         "the window is a target-only round's decode time, requests get 3x the tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     modes = tuple(dict.fromkeys(["target", *args.modes.split(",")]))
@@ -137,15 +184,21 @@ def main() -> int:
     try:
         for b in batches:
             res, identical = {m: ModeResult() for m in modes}, {m: 0 for m in modes}
+            window_s, budget = None, args.max_new_tokens
+            if args.steady:  # the window: what target-only takes for the rounds' tokens (a warm-up round)
+                _, window_s, _ = run_round(engines["target"], prompts[:b], budget, args.workload, f"w{b}")
+                budget *= 3
             for r in range(args.rounds):
                 group = prompts[r * b:(r + 1) * b]
                 order = modes[r % len(modes):] + modes[:r % len(modes)]
                 outs = {}
                 for m in order:
-                    n, s, outs[m] = run_round(engines[m], group, args.max_new_tokens, args.workload, f"{m}{b}r{r}")
+                    n, s, outs[m] = run_round(engines[m], group, budget, args.workload, f"{m}{b}r{r}", window_s)
                     res[m].add(tokens=n, decode_s=s, forwards=0, committed=0)
-                for m in modes:
-                    identical[m] += sum(a == t for a, t in zip(outs[m], outs["target"]))
+                    if window_s is not None:
+                        settle(engines[m])
+                for m in modes:  # a steady window's outputs stop anywhere: compared as far as both go
+                    identical[m] += sum(a[:len(t)] == t[:len(a)] for a, t in zip(outs[m], outs["target"]))
             health = {m: {k: e.health().get(k) for k in ("speculation", "acceptance_by_depth", "confidence_head",
                                                           "drafted_tok_s_by_rows", "judged_rows")}
                       for m, e in engines.items() if m != "target"}
@@ -155,11 +208,12 @@ def main() -> int:
     finally:
         for e in engines.values():
             e.close()
-    print_table(f"concurrency sweep ({args.workload}, {args.rounds} rounds, {args.max_new_tokens} new tokens, "
+    print_table(f"concurrency sweep ({args.workload}, {args.rounds} rounds, {args.max_new_tokens} new tokens"
+                f"{', steady window' if args.steady else ''}, "
                 f"gamma {args.gamma}, engines + cost profiles {profile_s:.1f} s)", rows_out)
     step_cost = {m: engines[m].health().get("step_cost") for m in modes if m in ("cost", "dspark")}
     write_json(args.json, {"workload": args.workload, "rounds": args.rounds, "gamma": args.gamma, "modes": modes,
-                           "max_new_tokens": args.max_new_tokens, "drafter": str(path),
+                           "max_new_tokens": args.max_new_tokens, "steady": args.steady, "drafter": str(path),
                            "stop_prob": cfg.spec.draft_stop_prob, "default_scheduler": cfg.spec.scheduler,
                            "profile_s": profile_s, "step_cost": step_cost, "cells": results})
     return 0
