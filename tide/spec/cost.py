@@ -324,7 +324,7 @@ def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: i
 def profile_shapes(target, drafter, tcache, dcache, max_rows: int, max_depth: int, context_len: int,
                     refeed_positions: int, packed: bool, head) -> list[tuple[tuple[str, int, int], Callable]]:
     """((kind, rows, tokens | drafts | depth | extra feed), a run of that shape) for every shape profiled."""
-    from tide.spec.decode import RowInput, draft, packed_forward
+    from tide.spec.decode import RowInput, draft
     from tide.spec.rules import FixedLength
 
     aux_dim, every = 3 * target.shape.hidden_size, FixedLength()  # each depth's top probabilities computed alike
@@ -337,10 +337,13 @@ def profile_shapes(target, drafter, tcache, dcache, max_rows: int, max_depth: in
         if packed:
             most = rows * max_depth
             for drafts in sorted({k for k in PACKED_GRID if 0 < k < most} | {most}):
-                lengths = packed_lengths(rows, drafts)  # timed as a verify of them runs (evenly: unpacked)
+                # one row's verify is always the plain forward; more rows' drafts mostly split unevenly
+                # (the admission ranks rows), so an even split is timed as the packed path they take
+                lengths = packed_lengths(rows, drafts)
                 fed = torch.zeros(rows, 1 + max(lengths), dtype=torch.long)
-                shapes.append((("packed", rows, drafts), functools.partial(target.forward, fed, start, tcache, slots,
-                                                                           lengths=packed_forward(lengths))))
+                run = target.forward if rows == 1 else functools.partial(
+                    target.forward, lengths=torch.tensor(lengths) + 1)
+                shapes.append((("packed", rows, drafts), functools.partial(run, fed, start, tcache, slots)))
         if drafter is None:
             continue
         def feed(n: int, rows: int = rows) -> list[RowInput]:
