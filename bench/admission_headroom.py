@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batch.split(",")]
+    if min(batches) < 1 or max(batches) > args.heldout:  # a step's rows come from distinct answers
+        p.error(f"--batch must be 1..--heldout ({args.heldout}), got {args.batch}")
     cfg = load_config()
     target, tokenizer, folder = load_target(cfg)
     path = args.drafter or static_drafter_path(cfg)
