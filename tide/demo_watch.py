@@ -12,7 +12,7 @@ import httpx
 
 from tide import prometheus
 from tide.comparison import say
-from tide.metrics import SCHED_RETRAINS_FINISHED, SCHED_RETRAINS_LAUNCHED
+from tide.metrics import SCHED_RETRAINS_FINISHED, SCHED_RETRAINS_LAUNCHED, SCHED_RETRAINS_NOTHING_TO_DO
 from tide.stack import Stack
 from tide.traffic import AcceptanceSampler, loop_status, metric_value, scrape
 
@@ -22,9 +22,13 @@ def serving_version(engine_url: str) -> str:
 
 
 def retrain_counts(stack: Stack) -> tuple[float, float]:
-    """(launched, finished) retrains, as the scheduler counts them."""
+    """(launched, judged) retrains as the scheduler counts them: judged ones finished with a candidate
+    or a failure. One that found too little data (``nothing_to_do``) registered nothing to promote, and
+    the scheduler launches another once more has arrived: the loop is still open, not refused."""
     text = scrape(stack.endpoints["scheduler metrics"])
-    return metric_value(text, SCHED_RETRAINS_LAUNCHED) or 0.0, metric_value(text, SCHED_RETRAINS_FINISHED) or 0.0
+    finished = metric_value(text, SCHED_RETRAINS_FINISHED) or 0.0
+    empty = metric_value(text, SCHED_RETRAINS_NOTHING_TO_DO) or 0.0
+    return (metric_value(text, SCHED_RETRAINS_LAUNCHED) or 0.0) - empty, finished - empty
 
 
 def retrains_finished(stack: Stack) -> float:
@@ -128,7 +132,7 @@ class LoopWatch:
         if finished >= s.max_unpromoted_retrains:
             self._finished_at = self._finished_at or now
             if now - self._finished_at > s.not_promoted_grace_s:
-                return (f"{finished} retrains finished but no challenger was promoted "
+                return (f"{finished:.0f} retrains finished but no challenger was promoted "
                         "(held-out metrics: registry_versions)")
         return None
 

@@ -175,6 +175,9 @@ SCHED_RETRAINS_LAUNCHED = Counter("tide_scheduler_retrains_launched_total",
 SCHED_RETRAINS_FINISHED = Counter(
     "tide_scheduler_retrains_finished_total", "Retrain jobs finished, by outcome",
     ["outcome"])  # succeeded | failed | timed_out | cancelled
+SCHED_RETRAINS_NOTHING_TO_DO = Counter(
+    "tide_scheduler_retrains_nothing_to_do_total",
+    "Succeeded retrain jobs that found too little readable data and registered no version")
 SCHED_RETRAIN_SECONDS = Histogram(
     "tide_scheduler_retrain_seconds", "Wall time of a retrain job, launch to finish",
     buckets=(10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200))

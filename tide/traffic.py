@@ -228,6 +228,7 @@ def loop_status(ingest_metrics_url: str, scheduler_metrics_url: str) -> str:
         return " | ".join(parts + ["scheduler metrics unavailable"])
     done = {o: metric_value(sched, metrics.SCHED_RETRAINS_FINISHED, outcome=o)
             for o in ("succeeded", "failed", "timed_out")}
+    done["of them with nothing to do"] = metric_value(sched, metrics.SCHED_RETRAINS_NOTHING_TO_DO)
     done_text = ", ".join(f"{int(v)} {o}" for o, v in done.items() if v)
     if metric_value(sched, metrics.SCHED_RUNNING):
         state = "running"

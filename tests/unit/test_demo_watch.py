@@ -18,7 +18,7 @@ class _Fleet:
     """What the engine serves and what the scheduler has counted, as their endpoints answer."""
 
     def __init__(self) -> None:
-        self.version, self.launched, self.finished = "1", 0, 0
+        self.version, self.launched, self.finished, self.empty = "1", 0, 0, 0
 
     def handler(self):
         fleet = self
@@ -31,7 +31,9 @@ class _Fleet:
                     body = ("# TYPE tide_scheduler_retrains_launched_total counter\n"
                             f'tide_scheduler_retrains_launched_total{{launcher="local"}} {fleet.launched}\n'
                             "# TYPE tide_scheduler_retrains_finished_total counter\n"
-                            f'tide_scheduler_retrains_finished_total{{status="succeeded"}} {fleet.finished}\n')
+                            f'tide_scheduler_retrains_finished_total{{status="succeeded"}} {fleet.finished}\n'
+                            "# TYPE tide_scheduler_retrains_nothing_to_do_total counter\n"
+                            f"tide_scheduler_retrains_nothing_to_do_total {fleet.empty}\n")
                     kind = "text/plain; version=0.0.4"
                 self.send_response(200)
                 self.send_header("Content-Type", kind)
@@ -98,3 +100,34 @@ def test_a_swap_after_the_loop_closed_leaves_its_outcome_as_judged(fleet):
     watch.on_done()
     out = watch.outcome()
     assert watch.version == "2" and out["served_after_swap"] == 9 and out["post_swap_s"] >= 0 and out["swaps"] == 1
+
+
+def test_retrains_that_found_too_little_data_are_not_challengers_refused(fleet):
+    # a retrain whose window held no held-out request yet succeeds with nothing to do: the scheduler
+    # launches the next once more traffic has come, so the loop is still open
+    settings = DemoSettings()
+    t0 = time.monotonic()
+    watch = LoopWatch(fleet.stack, AcceptanceSampler(f"{fleet.stack.endpoints['engine']}/metrics"), "1", settings, t0)
+    past_grace = t0 + settings.not_promoted_grace_s + 1
+    fleet.launched = fleet.finished = fleet.empty = settings.max_unpromoted_retrains
+    assert watch._no_swap_reason(t0) is None and watch._no_swap_reason(past_grace) is None
+    fleet.launched = fleet.finished = fleet.empty + settings.max_unpromoted_retrains  # judged, none promoted
+    assert watch._no_swap_reason(past_grace) is None  # the grace for a challenger to swap in starts now
+    reason = watch._no_swap_reason(past_grace + settings.not_promoted_grace_s + 1)
+    assert reason.startswith(f"{settings.max_unpromoted_retrains} retrains finished but no challenger")
+
+
+def test_a_retrain_with_nothing_to_do_after_the_first_swap_is_not_the_final_one(fleet):
+    settings = DemoSettings()
+    watch = LoopWatch(fleet.stack, AcceptanceSampler(f"{fleet.stack.endpoints['engine']}/metrics"), "1", settings,
+                      time.monotonic())
+    fleet.launched = fleet.finished = fleet.empty = 1  # before the shift's retrain: one with too little data
+    fleet.launched, fleet.version = 2, "2"
+    watch.on_done()
+    fleet.finished = 2
+    fleet.launched, fleet.finished, fleet.empty = 3, 3, 2  # the next full retrain finds too little as well
+    grace = settings.not_promoted_grace_s + 1
+    later = time.monotonic() + 2 * grace
+    assert not watch._final_done(later) and not watch._final_done(later + grace)
+    fleet.launched = fleet.finished = 4  # then one that judged a candidate, not promoted
+    assert not watch._final_done(later + grace) and watch._final_done(later + 2 * grace)

@@ -206,6 +206,8 @@ class RetrainScheduler:
             log.error("retrain %s %s (%s); %d failure(s) in a row", job.job_id, outcome.status,
                       outcome.reason, state.consecutive_failures)
         metrics.SCHED_RETRAINS_FINISHED.labels(outcome.status).inc()
+        if outcome.succeeded and result.get("status") == RETRAIN_NOTHING_TO_DO:
+            metrics.SCHED_RETRAINS_NOTHING_TO_DO.inc()
         metrics.SCHED_RETRAIN_SECONDS.observe(max(0.0, now - job.started_at_s))
 
     def _launch(self, state: SchedulerState, now: float, new: int,

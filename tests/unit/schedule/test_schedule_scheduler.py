@@ -223,3 +223,28 @@ def test_watermark_follows_what_the_retrain_read(kit, until):
     state = _run_to_end(sched, until)
     assert state.history[-1].status == "failed" and state.last_success.watermark_version == 2
     assert sched.tick().new_samples == 430  # all it read is still new
+
+
+def test_a_retrain_with_nothing_to_do_is_counted_apart_from_those_that_judged_a_candidate(kit, until):
+    """A retrain that found too little readable data succeeded but registered nothing: a watcher of the
+    loop (the demo's) must tell it from one whose candidate was judged and not promoted."""
+    from tide import metrics
+
+    def counts():
+        return (metrics.SCHED_RETRAINS_FINISHED.labels("succeeded")._value.get(),
+                metrics.SCHED_RETRAINS_NOTHING_TO_DO._value.get())
+
+    sched = _scheduler(kit, Clock(), min_new_samples=100)
+    kit.set_control("nothing")
+    kit.add_file(tokens=120)
+    before = counts()
+    assert sched.tick().launch
+    state = _run_to_end(sched, until)
+    assert state.last_success.version is None
+    assert [a - b for a, b in zip(counts(), before)] == [1, 1]
+    kit.set_control("ok")
+    kit.add_file(tokens=120)
+    before = counts()
+    assert sched.tick().launch
+    assert _run_to_end(sched, until).last_success.version == "7"
+    assert [a - b for a, b in zip(counts(), before)] == [1, 0]
