@@ -20,6 +20,7 @@ engines also decide before drafting, stop the drafter early and pay per-step ove
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -81,7 +82,7 @@ def score(sig: dict, picks: torch.Tensor, table: dict, rows: int) -> dict:
         sums = [sum(p[j] for p, c in zip(surv, caps) if c > j) for j in range(GAMMA)]
         m = best_level(sums, rows, level_s)
         kept = [min(m, c) for c in caps]
-        lengths, _, _ = admit(surv, caps, lambda k, deepest: packed[k] + draft[deepest])
+        lengths, _, _ = admit(surv, caps, lambda k, ran, even: (verify[even] if even else packed[k]) + draft[ran])
         out["level_tokens"][s] = rows + sum(min(r, k) for r, k in zip(runs, kept))
         out["level_s"][s] = level_s[m]
         out["admit_tokens"][s] = rows + sum(min(r, k) for r, k in zip(runs, lengths))
@@ -123,6 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=Path, default=Path("/tmp/tide-static-levers"),
                    help="held-out answers (shared with bench/static_levers.py; generated when missing)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--costs", type=Path, default=None,
+                   help="score over the step costs of an earlier run's --json (default: profile them now): "
+                        "rules compared across runs on one table, the profile's own noise taken out")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batch.split(",")]
@@ -132,7 +136,13 @@ def main(argv=None) -> int:
     target, tokenizer, folder = load_target(cfg)
     path = args.drafter or static_drafter_path(cfg)
     spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
-    table = step_costs(target, load_drafter(path, spec), max(batches))  # as the engine serves it
+    if args.costs is not None:
+        saved = json.loads(args.costs.read_text())["step_cost"]
+        table = {kind: {int(r): v for r, v in cells.items()} for kind, cells in saved.items()}
+        if max(batches) > max(table["packed_verify_ms"]):
+            p.error(f"--costs {args.costs} holds step costs up to {max(table['packed_verify_ms'])} rows")
+    else:
+        table = step_costs(target, load_drafter(path, spec), max(batches))  # as the engine serves it
     drafter = load_drafter(path, spec).float().eval()
     recipe = replace(SELF_GENERATED_RECIPE, heldout_prompts=args.heldout)
     args.cache.mkdir(parents=True, exist_ok=True)

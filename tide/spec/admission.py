@@ -11,7 +11,8 @@ verification (drafts 1..j all accepted):
 Candidates are sorted by P (a row's prefix comes first: P never rises with depth) and admitted
 one at a time; the count kept is the one with the most expected tokens per second: E[tokens] =
 rows + the admitted P's, over the measured seconds of that step (a packed verify of rows +
-admitted tokens, the drafter to the deepest admitted depth, the step's overhead; tide/spec/cost.py).
+admitted tokens, or the plain forward when every row verifies as many, the drafter to the deepest
+admitted depth, the step's overhead; tide/spec/cost.py).
 Drafting must beat none by ``MIN_GAIN``. Every count is scanned, not only up to the first fall:
 the row kernel's passes make the verify cost a staircase, where a larger count can pay again.
 
@@ -32,25 +33,28 @@ from tide.spec.schedule import MIN_GAIN, AcceptanceTracker
 
 SAMPLED_ROWS = 16  # recent chains replayed per decision to draft (split over the step's rows)
 
-Seconds = Callable[[int, int], float]  # (total drafts verified, depths the drafter ran) -> step seconds
+# (total drafts verified k, depths the drafter ran, d when every row verifies d drafts else 0) -> step
+# seconds: rows of one length verify in the plain forward (tide/spec/decode.py verify), others packed
+Seconds = Callable[[int, int, int], float]
 
 
-def admit(survival: list[list[float]], caps: list[int], seconds: Seconds,
-          min_gain: float = MIN_GAIN) -> tuple[list[int], float, float]:
+def admit(survival: list[list[float]], caps: list[int], seconds: Seconds, min_gain: float = MIN_GAIN,
+          ran: int = 0) -> tuple[list[int], float, float]:
     """(drafts verified per row, expected tokens, seconds) of the best admission.
 
     ``survival[b][j-1]`` = P_b(j), non-increasing in j; ``caps[b]``: the most of row b's drafts
-    that may be admitted; ``seconds(k, deepest)``: a step verifying k drafts in all whose deepest
-    is at depth ``deepest`` (0, 0: nothing drafted)."""
+    that may be admitted; ``seconds``: see ``Seconds``; ``ran``: the depths the drafter has run
+    already (a step pays at least those, verifying none)."""
     n = len(survival)
     cands = sorted((-p, j, b) for b, row in enumerate(survival) for j, p in enumerate(row[:max(0, caps[b])], 1))
-    base_s = seconds(0, 0)
+    base_s = seconds(0, ran, 0)
     best_k, best_tokens, best_s, bar = 0, float(n), base_s, n / base_s * (1 + min_gain)
     tokens, deepest = float(n), 0
     for k, (neg_p, j, _) in enumerate(cands, 1):
         tokens -= neg_p
         deepest = max(deepest, j)
-        s = seconds(k, deepest)
+        # every row's drafts are a prefix, so k = n x deepest only when all rows verify deepest
+        s = seconds(k, max(deepest, ran), deepest if k == n * deepest else 0)
         if tokens / s > bar * (1 + 1e-9):
             best_k, best_tokens, best_s, bar = k, tokens, s, tokens / s
     lengths = [0] * n
@@ -99,7 +103,7 @@ def drafting_gain(trackers: list[AcceptanceTracker], caps: list[int], greedy: li
             return memo[d]
         tok, sec = planned_step(survival_at, caps, seconds, most)
         tokens, secs = tokens + tok, secs + sec
-    return (tokens / secs) / (n / seconds(0, 0))
+    return (tokens / secs) / (n / seconds(0, 0, 0))
 
 
 def planned_step(survival_at: Callable[[int], list[list[float]]], caps: list[int], seconds: Seconds,
@@ -109,9 +113,9 @@ def planned_step(survival_at: Callable[[int], list[list[float]]], caps: list[int
     admits deeper, else the step verifies what is admitted up to d and pays d drafted depths."""
     for d in range(1, most + 1):
         survival = survival_at(d)
-        if d < most and max(admit(survival, caps, lambda k, deepest: seconds(k, max(deepest, d)))[0]) > d:
+        if d < most and max(admit(survival, caps, seconds, ran=d)[0]) > d:
             continue
-        _, tokens, secs = admit(survival, [min(c, d) for c in caps], lambda k, _deepest: seconds(k, d))
+        _, tokens, secs = admit(survival, [min(c, d) for c in caps], seconds, ran=d)
         return tokens, secs
     raise AssertionError("unreachable: the deepest depth always verifies")
 
@@ -121,8 +125,8 @@ class AdmissionPlan:
 
     ``trackers[b]``: row b's workload tracker; ``caps[b]``: the most drafts row b may keep (0: its
     workload's speculation is off, or its token budget leaves none); ``greedy[b]``: row b has a
-    live signal; ``seconds(k, ran)``: the step's seconds verifying k drafts after the drafter ran
-    ``ran`` depths; ``min_lens[b]``: drafts verified whatever the admission says (a probe).
+    live signal; ``seconds``: the step's seconds (``Seconds``); ``min_lens[b]``: drafts verified
+    whatever the admission says (a probe).
     """
 
     packed = True
@@ -152,11 +156,11 @@ class AdmissionPlan:
 
     def go_on(self, drafts: Drafts) -> bool:
         depth = drafts.depth
-        lengths, _, _ = admit(self._survival(drafts), self.caps, lambda k, deepest: self.seconds(k, max(deepest, depth)))
+        lengths, _, _ = admit(self._survival(drafts), self.caps, self.seconds, ran=depth)
         return max(lengths) > depth
 
     def lengths(self, drafts: Drafts) -> list[int]:
         depth = self.drafted = drafts.depth
         caps = [min(c, depth) for c in self.caps]
-        self.chosen, _, _ = admit(self._survival(drafts), caps, lambda k, deepest: self.seconds(k, depth))
+        self.chosen, _, _ = admit(self._survival(drafts), caps, self.seconds, ran=depth)
         return [max(c, min(m, cap)) for c, m, cap in zip(self.chosen, self.min_lens, caps)]

@@ -291,8 +291,9 @@ def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: i
             refeed_positions: int = 32, packed: bool = False, head=None) -> None:
     """Time verify forwards and drafts at every (rows, tokens) the engine can run, on the engine's
     own caches before any request uses them (the positions written are overwritten by prefills).
-    ``packed``: the packed verify's grid (``PACKED_GRID`` total drafts) instead of the padded one
-    (whose one-token cells, a target-only step, are timed either way). ``head``: the confidence
+    ``packed``: the packed verify's grid (``PACKED_GRID`` total drafts) as well as the padded one
+    (a packed step whose rows verify as many drafts each runs the padded shape's plain forward).
+    ``head``: the confidence
     head the engine's drafts carry (its survivals are part of a draft's time).
 
     ``context_len`` is the position the timed tokens start at: attention's share of a step grows
@@ -309,8 +310,8 @@ def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: i
         kind, rows, n = shape
         if kind == "verify":
             cost.observe_verify(rows, n, s, live=False)
-            if packed:  # a packed verify without drafts is the one-token forward
-                cost.observe_packed(rows, 0, s, live=False)
+            if packed and (n == 1 or rows == 1):  # without drafts, or on one row, it is this forward
+                cost.observe_packed(rows, n - 1, s, live=False)
         elif kind == "packed":
             cost.observe_packed(rows, n, s, live=False)
         elif kind == "draft":
@@ -331,18 +332,17 @@ def profile_shapes(target, drafter, tcache, dcache, max_rows: int, max_depth: in
     shapes: list[tuple[tuple[str, int, int], Callable]] = []
     for rows in range(1, max_rows + 1):
         slots, start = torch.arange(rows), torch.full((rows,), context_len)
-        for tokens in range(1, 2 if packed else max_depth + 2):
+        for tokens in range(1, max_depth + 2):  # rows verifying as many drafts each run this plain forward
             fed = torch.zeros(rows, tokens, dtype=torch.long)
             shapes.append((("verify", rows, tokens), functools.partial(target.forward, fed, start, tcache, slots)))
-        if packed:
+        if packed and rows > 1:  # one row's verify is always the plain forward, timed above
             most = rows * max_depth
             for drafts in sorted({k for k in PACKED_GRID if 0 < k < most} | {most}):
-                # one row's verify is always the plain forward; more rows' drafts mostly split unevenly
-                # (the admission ranks rows), so an even split is timed as the packed path they take
+                # an even split runs the plain forward (timed above), but its total mostly splits
+                # unevenly (the admission ranks rows): the packed cell is the packed path's
                 lengths = packed_lengths(rows, drafts)
                 fed = torch.zeros(rows, 1 + max(lengths), dtype=torch.long)
-                run = target.forward if rows == 1 else functools.partial(
-                    target.forward, lengths=torch.tensor(lengths) + 1)
+                run = functools.partial(target.forward, lengths=torch.tensor(lengths) + 1)
                 shapes.append((("packed", rows, drafts), functools.partial(run, fed, start, tcache, slots)))
         if drafter is None:
             continue

@@ -155,14 +155,20 @@ class SpecPolicy:
         return True, plan
 
     def _seconds(self, rows: int, gamma: int, feed_positions: int):
-        """seconds(k, ran) of a packed step of ``rows`` rows verifying k drafts after the drafter ran
-        ``ran`` depths (0: a target-only step), from the measured tables as they are now."""
+        """seconds(k, ran, even) of a step of ``rows`` rows verifying k drafts after the drafter ran
+        ``ran`` depths (0: a target-only step): packed, or with ``even`` drafts on every row the
+        padded forward that runs then (tide/spec/admission.py ``Seconds``), from the measured tables
+        as they are now."""
         c = self.cost
-        verify = c.packed_costs(rows)
+        packed, padded = c.packed_costs(rows), c.verify_costs(rows)
         drafted = [0.0] + [c.draft_s(rows, d) + c.refeed_s(rows, feed_positions) + c.overhead_s(rows, True)
                            for d in range(1, gamma + 1)]
-        plain = c.overhead_s(rows, False)
-        return lambda k, ran: verify[min(k, len(verify) - 1)] + (drafted[min(ran, gamma)] if ran > 0 else plain)
+        undrafted = c.overhead_s(rows, False)
+
+        def seconds(k: int, ran: int, even: int) -> float:
+            verify = padded[min(1 + even, len(padded) - 1)] if even else packed[min(k, len(packed) - 1)]
+            return verify + (drafted[min(ran, gamma)] if ran > 0 else undrafted)
+        return seconds
 
     def probe_interval(self, on: bool, tracker: AcceptanceTracker) -> int:
         """A starved workload's probe interval: ``judge_probe_steps`` while the serving drafter is
@@ -188,8 +194,11 @@ class SpecPolicy:
         self.judged_rows += sum(1 for d in stats.drafted if d > 0)
         if self.cost is not None:
             n = len(stats.drafted)
-            if stats.packed:
+            # rows verifying as many drafts each ran the plain forward (tide/spec/decode.py verify)
+            if stats.packed and min(stats.drafted) != max(stats.drafted):
                 self.cost.observe_packed(n, sum(stats.drafted), stats.verify_s)
+            elif max(stats.drafted) == 0:
+                self.cost.observe_target_only(n, stats.verify_s)
             else:
                 self.cost.observe_verify(n, 1 + max(stats.drafted), stats.verify_s)
             if stats.feed_positions <= 1 + stats.gamma:  # a steady feed: the draft cells' shape

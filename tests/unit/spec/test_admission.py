@@ -6,14 +6,16 @@ from costs import linear_cost
 
 from tide.config import ConfigError, load_config
 from tide.spec.admission import AdmissionPlan, admit, drafting_gain, survival_of
+from tide.spec.cost import StepCostModel
 from tide.spec.decode import Drafts, StepStats
 from tide.spec.policy import SpecPolicy
 from tide.spec.schedule import AcceptanceTracker
 
 
 def packed_seconds(base=1.0, per_draft=0.1, per_depth=0.01):
-    """seconds(k, deepest) of a packed step: each admitted draft costs the same, wherever it sits."""
-    return lambda k, ran: base + per_draft * k + per_depth * ran
+    """seconds(k, ran, even) of a packed step: each admitted draft costs the same, wherever it sits
+    (an even split too)."""
+    return lambda k, ran, even: base + per_draft * k + per_depth * ran
 
 
 def test_admission_ranks_candidates_across_rows_and_keeps_each_row_a_prefix():
@@ -28,10 +30,20 @@ def test_admission_ranks_candidates_across_rows_and_keeps_each_row_a_prefix():
 
 def test_admission_scans_past_a_count_that_does_not_pay_and_drafts_nothing_when_none_does():
     # a staircase: the first draft costs a whole extra pass, the next three ride in it
-    stair = lambda k, ran: 1.0 if k == 0 else 1.5  # noqa: E731
+    stair = lambda k, ran, even: 1.0 if k == 0 else 1.5  # noqa: E731
     assert admit([[0.4, 0.35, 0.3, 0.3]], [4], stair)[0] == [4]  # 2.35 / 1.5 > 1: worth it only as a whole
     assert admit([[0.4, 0.05, 0.0, 0.0]], [4], stair)[0] == [0]
-    assert admit([[0.99] * 4] * 2, [4, 4], lambda k, ran: 1.0 + 10 * k)[0] == [0, 0]  # too dear at any count
+    assert admit([[0.99] * 4] * 2, [4, 4], lambda k, ran, even: 1.0 + 10 * k)[0] == [0, 0]  # too dear at any count
+
+
+def test_rows_verifying_as_many_drafts_each_are_priced_at_the_plain_forward_they_run():
+    # packed, a fourth draft at 0.1 does not pay its 0.1 s; every row verifying one draft runs the
+    # plain forward, here as cheap as three drafts packed, so the admission takes the even split
+    survival = [[0.9], [0.8], [0.7], [0.1]]
+    seconds = lambda k, ran, even: 1.25 if even == 1 else 1.0 + 0.1 * k  # noqa: E731
+    assert admit(survival, [1] * 4, seconds)[0] == [1, 1, 1, 1]
+    assert admit(survival, [1] * 4, packed_seconds(per_draft=0.1, per_depth=0.0))[0] == [1, 1, 1, 0]
+    assert admit(survival, [1, 1, 1, 0], seconds)[0] == [1, 1, 1, 0]  # a row without drafts: packed
 
 
 def test_survival_is_the_calibrated_live_chain_extended_by_running_acceptance():
@@ -143,3 +155,24 @@ def test_the_engine_default_is_dspark_with_the_head_and_probes_validated():
         load_config(env={}, overrides={"spec": {"judge_probe_steps": 0}})
     with pytest.raises(ValueError, match="judge_probe_steps"):
         _policy(judge_probe_steps=0)
+
+
+def test_an_even_packed_step_is_timed_as_the_plain_forward_it_ran():
+    cost = StepCostModel(2, 2)
+    for tokens in (1, 2, 3):
+        cost.observe_verify(2, tokens, 1.0 + 0.2 * (tokens - 1), live=False)
+    for drafts in range(5):
+        cost.observe_packed(2, drafts, 1.0 + 0.15 * drafts, live=False)
+    policy = SpecPolicy("dspark", 2, 0.0, cost)
+    seconds = policy._seconds(2, 2, 0)
+    assert seconds(2, 1, 1) - seconds(2, 1, 0) == pytest.approx(cost.verify_s(2, 2) - cost.packed_s(2, 2))
+
+    def step(drafted, verify_s):
+        policy.observe_spec_step(["chat", "chat"], StepStats(gamma=2, accepted=[0, 0], drafted=drafted, draft_depth=2,
+                                                             draft_s=0.1, verify_s=verify_s, feed_positions=2,
+                                                             packed=True), None)
+    step([1, 1], 2.0)  # one draft each: the plain forward of 2 rows x 2 tokens
+    assert cost.verify_s(2, 2) > 1.2 and cost.packed_costs(2)[2] == pytest.approx(1.3 * cost._speed["target"])
+    before = cost.verify_s(2, 3)
+    step([2, 0], 3.0)  # uneven: the packed forward
+    assert cost.packed_costs(2)[2] / cost._speed["target"] > 1.3 and cost.verify_s(2, 3) > before

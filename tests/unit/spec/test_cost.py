@@ -143,26 +143,34 @@ def test_a_packed_profile_measures_the_grid_of_total_drafts(tiny_target, tiny_dr
     assert cost.packed_s(3, 5) == pytest.approx((cost.packed_s(3, 4) + cost.packed_s(3, 6)) / 2)  # off the grid
     for row in cost.table()["packed_verify_ms"].values():
         assert all(v > 0 and math.isfinite(v) for v in row) and row == sorted(row)
+    # rows verifying as many drafts each run the padded forward: its grid is timed as well, and a
+    # packed step without drafts is its one-token cell, the target-only forward
+    def timed(kind, rows, n):
+        return REGISTRY.get_sample_value("tide_engine_step_cost_seconds", {"kind": kind, "rows": str(rows),
+                                                                           "tokens": str(n)})
+    for rows in (1, 2, 3):
+        assert timed("packed", rows, 0) == timed("verify", rows, 1)
+        assert timed("verify", rows, 2) > 0 and timed("verify", rows, 3) > 0
+    assert [timed("packed", 1, k) for k in (1, 2)] == [timed("verify", 1, t) for t in (2, 3)]  # one row: plain
 
 
 def test_a_packed_profile_times_each_shape_as_a_live_verify_of_it_runs(tiny_target):
     # one row's verify always runs the plain forward (tide/spec/decode.py): timed through the packed
-    # path instead, its cells read slower than any step it takes; with more rows an even split is
-    # timed packed too, as the uneven splits of the same total the admission mostly makes run
+    # path instead, its cells read slower than any step it takes, so its cells are the padded ones;
+    # with more rows an even split is timed packed too, as the uneven splits of the same total the
+    # admission mostly makes run (the even split itself runs, and is priced as, the padded shape)
     from tide.spec.cost import packed_lengths, profile_shapes
 
     shapes = profile_shapes(tiny_target, None, tiny_target.new_cache(3, 64), None, max_rows=3, max_depth=2,
                             context_len=20, refeed_positions=8, packed=True, head=None)
     timed = [(rows, drafts, run) for (kind, rows, drafts), run in shapes if kind == "packed"]
-    assert {rows for rows, _, _ in timed} == {1, 2, 3}
+    assert {rows for rows, _, _ in timed} == {2, 3}
     for rows, drafts, run in timed:
         lengths = packed_lengths(rows, drafts)
         assert run.args[0].shape == (rows, 1 + max(lengths))
-        packed = run.keywords.get("lengths")
-        if rows == 1:
-            assert packed is None
-        else:
-            assert packed.tolist() == [n + 1 for n in lengths], (rows, drafts)
+        assert run.keywords["lengths"].tolist() == [n + 1 for n in lengths], (rows, drafts)
+    padded = {(rows, tokens) for (kind, rows, tokens), _ in shapes if kind == "verify"}
+    assert padded == {(rows, tokens) for rows in (1, 2, 3) for tokens in (1, 2, 3)}
 
 
 def test_a_packed_cell_timed_above_a_later_one_is_pooled_with_it():
