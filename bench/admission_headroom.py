@@ -12,10 +12,13 @@ engine's tracker scales it), and each verifies what its rule picks from it:
 - admission (``dspark``): ``tide.spec.admission.admit`` over every (row, depth) candidate, packed.
 A step scores what it really commits (B + each row's accepted drafts among those verified) over
 its seconds in the measured table (that verify, packed where rows' lengths differ, plus the drafter
-to the deepest verified depth). The ratio admission / level is the gain the admission can bring on this signal; the live
-engines also decide before drafting, stop the drafter early and pay per-step overheads.
+to the deepest verified depth). The ratio admission / level is the gain the admission can bring on
+this signal; the live engines also decide before drafting, stop the drafter early and pay per-step
+overheads. The table is profiled at start, or read from an earlier run's JSON (``--costs``): the
+profile's own noise moves the ratio more than its interval over steps says.
 
     python -m bench.admission_headroom [--drafter DIR] [--batch 1,2,4,8] [--kinds chat code] [--json PATH]
+        [--costs EARLIER_JSON]
 """
 from __future__ import annotations
 
