@@ -293,8 +293,7 @@ def profile(target, drafter, tcache, dcache, cost: StepCostModel, context_len: i
     own caches before any request uses them (the positions written are overwritten by prefills).
     ``packed``: the packed verify's grid (``PACKED_GRID`` total drafts) as well as the padded one
     (a packed step whose rows verify as many drafts each runs the padded shape's plain forward).
-    ``head``: the confidence
-    head the engine's drafts carry (its survivals are part of a draft's time).
+    ``head``: the confidence head the engine's drafts carry (its survivals are part of a draft's time).
 
     ``context_len`` is the position the timed tokens start at: attention's share of a step grows
     with it, so it should be a typical decode context. Every shape is run once to warm up, then the
