@@ -159,7 +159,9 @@ def tree_mask(positions: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
 
 class Linears:
     """``y = x @ W.T`` for the target's projection weights: the few-row C kernel where it runs,
-    else oneDNN with prepacked weights for several rows and MKL for one.
+    else oneDNN with prepacked weights for every row count (one library for all: a decode and a
+    verify then compute a token alike wherever oneDNN's kernel is batch-invariant, as on AVX-512
+    machines; with MKL for one row they differed by ~1e-5, and MKL's gemv was no faster).
 
     Why: decode (1 token) and verify (γ+1 tokens) on CPU are bound by streaming the weights from
     memory, and what speculative decoding pays per step is the verify/decode cost ratio. MKL's
@@ -170,8 +172,8 @@ class Linears:
     is batch-invariant: a token's logits are bitwise
     the same in a decode and in a verify. It is single-threaded, so it serves up to
     ``ROW_KERNEL_MAX_ROWS`` rows when torch runs on one thread; larger batches and multi-threaded
-    engines keep torch's kernels, which are not batch-invariant (rows differ by ~4e-5 between
-    M=1 and M=5; the greedy lossless tests compare outputs token for token either way).
+    engines keep oneDNN, whose results match the row kernel's to ~1e-5, not bitwise (the greedy
+    lossless tests compare outputs token for token either way).
     """
 
     # the reorder's batch-size hint: tuned for verify-sized M (1..40 rows measured alike)
@@ -201,7 +203,7 @@ class Linears:
             out = self.rows(flat, self.w[name])
             return out.view(*x.shape[:-1], out.shape[-1])
         weight = self.packed.get(name)
-        if weight is None or m == 1:
+        if weight is None:
             return F.linear(x, self.w[name])
         if not flat.is_contiguous():
             flat = flat.contiguous()

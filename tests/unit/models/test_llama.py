@@ -63,7 +63,7 @@ def test_position_past_cache_is_refused(pair):
 
 
 def test_prepacked_projections_match_plain_linear():
-    """oneDNN prepacked weights (M>1) and MKL gemv (M=1) both compute x @ W.T."""
+    """oneDNN's prepacked weights compute x @ W.T at every row count."""
     from tide.models.llama import Linears
 
     g = torch.Generator().manual_seed(3)
@@ -79,6 +79,22 @@ def test_prepacked_projections_match_plain_linear():
         assert y.shape == (2, rows, 96)
         assert torch.allclose(y, torch.nn.functional.linear(x, w["a"]), atol=1e-4)
         assert torch.allclose(packed(y, "b"), plain(y, "b"), atol=1e-3)
+
+
+def test_without_the_row_kernel_one_library_computes_every_row_count():
+    """A decode (one row) goes through the same prepacked oneDNN kernel as a verify (several rows),
+    so wherever that kernel is batch-invariant a token's logits are bitwise alike in both (MKL's
+    gemv for one row differed by ~1e-5)."""
+    from tide.models.llama import Linears
+
+    g = torch.Generator().manual_seed(5)
+    w = {"qkv": torch.randn(960, 576, generator=g) * 0.05}  # SmolLM2's hidden size and fused qkv
+    torch_mode = Linears(w, ["qkv"], packed=True, row_kernel=False)
+    assert torch.backends.mkldnn.is_available() and set(torch_mode.packed) == {"qkv"}
+    x = torch.randn(8, 576, generator=g)
+    onednn = torch.ops.mkldnn._linear_pointwise(x[:1].contiguous(), torch_mode.packed["qkv"], None, "none", [], "")
+    assert torch.equal(torch_mode(x[:1], "qkv"), onednn)
+    assert torch.allclose(torch_mode(x, "qkv"), x @ w["qkv"].T, atol=1e-4)
 
 
 def test_packed_and_plain_targets_agree(pair):
