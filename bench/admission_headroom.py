@@ -140,10 +140,14 @@ def main(argv=None) -> int:
     path = args.drafter or static_drafter_path(cfg)
     spec = TargetSpec(target.shape.hidden_size, target.shape.vocab_size, target.aux_layer_ids)
     if args.costs is not None:
-        saved = json.loads(args.costs.read_text())["step_cost"]
-        table = {kind: {int(r): v for r, v in cells.items()} for kind, cells in saved.items()}
-        if max(batches) > max(table["packed_verify_ms"]):
-            p.error(f"--costs {args.costs} holds step costs up to {max(table['packed_verify_ms'])} rows")
+        try:
+            saved = json.loads(args.costs.read_text())["step_cost"]
+            table = {kind: {int(r): v for r, v in cells.items()} for kind, cells in saved.items()}
+            rows_held = max(table["packed_verify_ms"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            p.error(f"--costs {args.costs}: not an earlier run's --json with its step costs ({exc!r})")
+        if max(batches) > rows_held:
+            p.error(f"--costs {args.costs} holds step costs up to {rows_held} rows")
     else:
         table = step_costs(target, load_drafter(path, spec), max(batches))  # as the engine serves it
     drafter = load_drafter(path, spec).float().eval()

@@ -226,9 +226,11 @@ def loop_status(ingest_metrics_url: str, scheduler_metrics_url: str) -> str:
     parts = [f"{tokens / 1000:.1f}k tokens in Parquet" if tokens is not None else "ingest metrics unavailable"]
     if not sched:
         return " | ".join(parts + ["scheduler metrics unavailable"])
-    done = {o: metric_value(sched, metrics.SCHED_RETRAINS_FINISHED, outcome=o)
-            for o in ("succeeded", "failed", "timed_out")}
-    done["of them with nothing to do"] = metric_value(sched, metrics.SCHED_RETRAINS_NOTHING_TO_DO)
+    # "2 succeeded (1 with nothing to do), 1 failed": a success that registered no version is one of them
+    empty = metric_value(sched, metrics.SCHED_RETRAINS_NOTHING_TO_DO)
+    names = {"succeeded": f"succeeded ({int(empty)} with nothing to do)" if empty else "succeeded",
+             "failed": "failed", "timed_out": "timed_out"}
+    done = {name: metric_value(sched, metrics.SCHED_RETRAINS_FINISHED, outcome=o) for o, name in names.items()}
     done_text = ", ".join(f"{int(v)} {o}" for o, v in done.items() if v)
     if metric_value(sched, metrics.SCHED_RUNNING):
         state = "running"

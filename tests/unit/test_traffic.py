@@ -48,6 +48,17 @@ def test_loop_status_says_waiting_then_running(metrics_url):
     metrics.SCHED_RUNNING.set(0)
 
 
+def test_loop_status_counts_retrains_with_nothing_to_do_among_the_successes(metrics_url):
+    def counts():
+        text = scrape(metrics_url)
+        return (int(metric_value(text, metrics.SCHED_RETRAINS_FINISHED, outcome="succeeded") or 0),
+                int(metric_value(text, metrics.SCHED_RETRAINS_NOTHING_TO_DO) or 0))
+    metrics.SCHED_RETRAINS_FINISHED.labels("succeeded").inc(2)
+    metrics.SCHED_RETRAINS_NOTHING_TO_DO.inc()
+    succeeded, empty = counts()
+    assert f"({succeeded} succeeded ({empty} with nothing to do)" in loop_status(metrics_url, metrics_url)
+
+
 def test_loop_status_when_services_are_down():
     dead = f"http://127.0.0.1:{_free_port()}/metrics"
     assert loop_status(dead, dead) == "ingest metrics unavailable | scheduler metrics unavailable"

@@ -159,9 +159,9 @@ def tree_mask(positions: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
 
 class Linears:
     """``y = x @ W.T`` for the target's projection weights: the few-row C kernel where it runs,
-    else oneDNN with prepacked weights for every row count (one library for all: a decode and a
-    verify then compute a token alike wherever oneDNN's kernel is batch-invariant, as on AVX-512
-    machines; with MKL for one row they differed by ~1e-5, and MKL's gemv was no faster).
+    else oneDNN with prepacked weights for every row count: one library for all, so wherever
+    oneDNN's kernel is batch-invariant a decode and a verify compute a token alike (a different
+    library for one row would differ in the last bits).
 
     Why: decode (1 token) and verify (γ+1 tokens) on CPU are bound by streaming the weights from
     memory, and what speculative decoding pays per step is the verify/decode cost ratio. MKL's
