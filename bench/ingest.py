@@ -5,7 +5,8 @@ Steps:
 2. produce a backlog of --backlog-mb of capture records (SmolLM2 shape: H=576, bf16, requests of
    100-700 positions, chunked under 900 kB as capture does) into a fresh 4-partition topic;
 3. raw consume: a worker process reads every message with plain kafka-python (assign, no group,
-   nothing done with the values);
+   nothing done with the values), once as it comes and once with the ingest process's settings
+   (tide/dataset/bulk.py: allocator, socket reads), so the ratio's two sides can be told apart;
 4. one replica: a worker process runs the real ``Ingestor`` (group join, decode, Parquet data
    files, Delta commits with application transactions, Kafka commits) into a fresh table (a
    local directory) until its group has committed everything;
@@ -14,7 +15,8 @@ Steps:
 6. every worker times from the arrival of its first batch (not counted: a first poll that joins
    the group holds the join's wait) and reports peak RSS (VmHWM); steps 3-5
    alternate for --rounds rounds so load from other processes hits all alike. Results: the
-   median ratio one replica / raw (floor 0.8), two replicas / one with its range over the rounds
+   median ratio one replica / raw (floor 0.8; also given against the raw consume with ingest's
+   process settings), two replicas / one with its range over the rounds
    (floor 1.3 on 2 cores with the broker beside them), the ingest peak RSS (floor < 1 GiB). Two over
    one is given end to end (the group's join and rebalance and the durable tail included: fixed
    costs a short backlog makes weigh) and steady (every replica consuming: the throughput a longer
@@ -92,6 +94,10 @@ def worker_consume(args: argparse.Namespace) -> dict:
     from tide.config import IngestConfig
 
     c = IngestConfig()
+    if args.worker == "consume-tuned":
+        from tide.dataset.bulk import tune_process
+
+        tune_process(c)
     consumer = KafkaConsumer(bootstrap_servers=args.bootstrap_servers, enable_auto_commit=False,
                              max_poll_records=c.max_poll_records, fetch_max_bytes=c.fetch_max_bytes,
                              max_partition_fetch_bytes=c.max_partition_fetch_bytes)
@@ -130,12 +136,13 @@ def worker_ingest(args: argparse.Namespace) -> dict:
 
     from tide import metrics
     from tide.config import IngestConfig, KafkaConfig
+    from tide.dataset.bulk import tune_process
     from tide.dataset.ingest import Ingestor
 
     config = IngestConfig(group_id=args.group, metrics_port=0)
     kafka = KafkaConfig(bootstrap_servers=args.bootstrap_servers, topic=args.topic,
                         dead_letter_topic=args.topic + ".dead-letter")
-    sys.setswitchinterval(config.switch_interval_s)  # as tide/services/ingest.py does
+    tune_process(config)  # as tide/services/ingest.py does
     probe = KafkaConsumer(bootstrap_servers=args.bootstrap_servers, group_id=args.group, enable_auto_commit=False)
     parts = [TopicPartition(args.topic, p) for p in sorted(probe.partitions_for_topic(args.topic))]
     ends = probe.end_offsets(parts)
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating raw/ingest rounds")
     parser.add_argument("--bootstrap-servers", default="")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--worker", choices=["consume", "ingest"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["consume", "consume-tuned", "ingest"], help=argparse.SUPPRESS)
     parser.add_argument("--topic", help=argparse.SUPPRESS)
     parser.add_argument("--messages", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker_consume(args) if args.worker == "consume" else worker_ingest(args)
+        result = worker_ingest(args) if args.worker == "ingest" else worker_consume(args)
         print(json.dumps(result))
         return 0
 
@@ -278,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds = []
             for r in range(args.rounds):  # alternate, so load from elsewhere hits all alike
                 raw = _run_worker("consume", bootstrap, topic, messages, nbytes, tmp)
+                raw_tuned = _run_worker("consume-tuned", bootstrap, topic, messages, nbytes, tmp)
                 one = _run_worker("ingest", bootstrap, topic, messages, nbytes, str(Path(tmp) / f"one-{r}"),
                                   f"bench-{uuid.uuid4().hex[:8]}")
                 shutil.rmtree(Path(tmp) / f"one-{r}", ignore_errors=True)
@@ -285,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(Path(tmp) / f"two-{r}", ignore_errors=True)
                 assert one["messages"] == messages and two["messages"] >= messages, (one, two)
                 one["steady_mb_per_s"] = steady_mb_per_s([one], nbytes / messages)
-                rounds.append({"raw_consume": raw, "ingest": one, "two_replicas": two,
+                rounds.append({"raw_consume": raw, "raw_consume_tuned": raw_tuned, "ingest": one, "two_replicas": two,
                                "ratio": one["mb_per_s"] / raw["mb_per_s"],
+                               "ratio_same_settings": one["mb_per_s"] / raw_tuned["mb_per_s"],
                                "scale_out": two["mb_per_s"] / one["mb_per_s"],
                                "scale_out_steady": two["steady_mb_per_s"] / one["steady_mb_per_s"]})
         finally:
@@ -294,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                 stack.stop()
     rows = [("", "MB/s", "seconds", "CPU s", "peak RSS MiB", "RSS after start MiB")]
     for r, result in enumerate(rounds):
-        for name, key in (("raw consume (kafka-python)", "raw_consume"), ("ingest, 1 replica (Delta)", "ingest")):
+        for name, key in (("raw consume (kafka-python)", "raw_consume"),
+                          ("raw consume, ingest's process settings", "raw_consume_tuned"),
+                          ("ingest, 1 replica (Delta)", "ingest")):
             x = result[key]
             rows.append((f"round {r + 1}: {name}", f"{x['mb_per_s']:.1f}", f"{x['seconds']:.1f}",
                          f"{x['cpu_seconds']:.1f}", f"{x['peak_rss_mib']:.0f}", f"{x['rss_after_imports_mib']:.0f}"))
@@ -303,14 +314,16 @@ def main(argv: list[str] | None = None) -> int:
                      "", f"{two['peak_rss_mib']:.0f}", ""))
         rows.append((f"round {r + 1}: steady MB/s, 1 replica; 2 replicas",
                      f"{result['ingest']['steady_mb_per_s']:.1f}; {two['steady_mb_per_s']:.1f}", "", "", "", ""))
-        rows.append((f"round {r + 1}: 1 replica / raw; 2 replicas / 1 (end to end; steady)",
-                     f"{result['ratio']:.2f}; {result['scale_out']:.2f}; {result['scale_out_steady']:.2f}",
-                     "", "", "", ""))
+        rows.append((f"round {r + 1}: 1 replica / raw; / raw same settings; 2 replicas / 1 (end to end; steady)",
+                     f"{result['ratio']:.2f}; {result['ratio_same_settings']:.2f}; {result['scale_out']:.2f}; "
+                     f"{result['scale_out_steady']:.2f}", "", "", "", ""))
     ratio = statistics.median(r["ratio"] for r in rounds)
+    ratio_same = statistics.median(r["ratio_same_settings"] for r in rounds)
     scale = [r["scale_out"] for r in rounds]
     steady = [r["scale_out_steady"] for r in rounds]
     peak = max(max(r["ingest"]["peak_rss_mib"], r["two_replicas"]["peak_rss_mib"]) for r in rounds)
     rows.append(("median 1 replica / raw (floor 0.8)", f"{ratio:.2f}", "", "", "", ""))
+    rows.append(("median 1 replica / raw with ingest's process settings", f"{ratio_same:.2f}", "", "", "", ""))
     rows.append(("2 replicas / 1, end to end: median [min, max] (floor 1.3)",
                  f"{statistics.median(scale):.2f} [{min(scale):.2f}, {max(scale):.2f}]", "", "", "", ""))
     rows.append(("2 replicas / 1, steady: median [min, max] (floor 1.3)",
@@ -319,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"Ingest vs raw consume: {messages} messages, {nbytes / 1e6:.0f} MB backlog on {PARTITIONS} partitions "
                 f"(produced in {produce_s:.1f} s), {args.rounds} alternating rounds", rows)
     write_json(args.json, {"backlog_bytes": nbytes, "messages": messages, "rounds": rounds,
-                           "median_ratio": ratio, "scale_out_median": statistics.median(scale),
+                           "median_ratio": ratio, "median_ratio_same_settings": ratio_same,
+                           "scale_out_median": statistics.median(scale),
                            "scale_out_range": [min(scale), max(scale)],
                            "scale_out_steady_median": statistics.median(steady),
                            "scale_out_steady_range": [min(steady), max(steady)], "ingest_peak_rss_mib": peak,

@@ -110,6 +110,14 @@ class IngestConfig(Section):
     # sys.setswitchinterval for the service: the consumer's IO thread, the decode loop and the
     # Parquet writer thread share the GIL; Python's 5 ms default starved the IO thread
     switch_interval_s: float = 0.0002
+    # glibc's allocator: buffers below this come from the heap, not a fresh mmap each (every
+    # fetch-sized buffer would fault its pages in again); glibc caps it at 32 MiB. 0 = leave it
+    malloc_mmap_threshold_bytes: int = Field(32 * 1024 * 1024, ge=0, le=32 * 1024 * 1024)
+    # freed heap kept for reuse up to this before it goes back to the system: above a fetch's
+    # buffers in flight (fetch_max_bytes, a few times over), under the service's memory budget
+    malloc_trim_threshold_bytes: int = Field(256 * 1024 * 1024, ge=0)
+    # bytes per socket read of the Kafka consumer (kafka-python reads 4 KiB); 0 = leave it
+    socket_read_bytes: int = Field(1024 * 1024, ge=0)
 
 
 class TrainConfig(Section):

@@ -32,12 +32,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, stop = started
 
+    from tide.dataset.bulk import tune_process
     from tide.dataset.ingest import Ingestor
     from tide.dataset.location import Location
     from tide.health_server import HealthServer
 
     icfg = cfg.ingest
-    sys.setswitchinterval(icfg.switch_interval_s)
+    tune_process(icfg)  # before any Kafka client exists
     location = Location.from_config(cfg)
     data_dir = location.describe()
     ingestor = Ingestor(icfg, cfg.kafka, location)
