@@ -2,9 +2,10 @@
 
 What speculative decoding pays per step on CPU is the verify/decode cost ratio: a forward over
 γ+1 new tokens against a 1-token decode, at the same cache length. Both SmolLM2 instances (one
-with the row kernel, one on torch's kernels: oneDNN prepacked for several rows, MKL for one) get
+with the row kernel, one on oneDNN with prepacked weights, tide/models/llama.py ``Linears``) get
 the same random context; each round times every (kernel, q) pair in turn, so machine drift hits
-all alike. Prints median ms per forward and each setting's ratio to its own q=1.
+all alike. Prints median ms per forward, each setting's ratio to its own q=1, and the kernel the
+engine's default (``model.linear_kernel: auto``) picks here.
 
     python -m bench.forward [--context 200] [--rounds 10] [--json out.json]
 """
@@ -33,9 +34,12 @@ def main() -> int:
     torch.set_num_threads(1)
     cfg = load_config()
     folder = ensure_target_checkpoint(cfg.home_path, cfg.model.target)
-    targets = {"row kernel": LlamaTarget.from_folder(folder), "torch": LlamaTarget.from_folder(folder, row_kernel=False)}
+    targets = {"row kernel": LlamaTarget.from_folder(folder, kernel="rows"),
+               "onednn": LlamaTarget.from_folder(folder, kernel="onednn")}
     if targets["row kernel"].linear.rows is None:
         print("row kernel unavailable here (no AVX2/FMA or no C compiler): both columns use torch", file=sys.stderr)
+    auto = LlamaTarget.from_folder(folder).linear
+    chosen = auto.choice.kernel if auto.choice is not None else auto.kernel
     queries = [int(q) for q in args.queries.split(",")]
     g = torch.Generator().manual_seed(0)
     context = torch.randint(0, 40000, (1, args.context), generator=g)
@@ -58,9 +62,12 @@ def main() -> int:
         rows.append((q, *[f"{med[(n, q)]:.1f}" for n in targets],
                      *[f"{med[(n, q)] / med[(n, queries[0])]:.2f}x" for n in targets]))
     print_table(f"SmolLM2 forward, {args.context} cached tokens, 1 thread, median of {args.rounds}", rows)
+    print(f"model.linear_kernel auto picks here: {chosen}"
+          + (f" (linears-only ms per pass over rows 1/2/4/8/16: {auto.choice.pass_ms}, batch-invariant: "
+             f"{auto.choice.invariant})" if auto.choice is not None else ""))
     write_json(args.json, {"context": args.context, "rounds": args.rounds,
                            "median_ms": {f"{n}/q{q}": v for (n, q), v in med.items()},
-                           "row_kernel": targets["row kernel"].linear.rows is not None})
+                           "row_kernel": targets["row kernel"].linear.rows is not None, "auto_picks": chosen})
     return 0
 
 

@@ -26,6 +26,10 @@ class ModelConfig(Section):
     dtype: str = "float32"
     max_seq_len: int = 1024
     torch_threads: int = 1
+    # what computes the target's linears (tide/models/llama.py Linears): rows = the few-row C
+    # kernel, onednn = torch's oneDNN with prepacked weights; auto = checked and timed at start-up,
+    # the faster of those that compute a row bitwise alike at every row count (lossless greedy)
+    linear_kernel: Literal["auto", "rows", "onednn"] = "auto"
 
 
 class SpecConfig(Section):

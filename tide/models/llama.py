@@ -158,35 +158,39 @@ def tree_mask(positions: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
 
 
 class Linears:
-    """``y = x @ W.T`` for the target's projection weights: the few-row C kernel where it runs,
-    else oneDNN with prepacked weights for every row count: one library for all, so wherever
-    oneDNN's kernel is batch-invariant a decode and a verify compute a token alike (a different
-    library for one row would differ in the last bits).
+    """``y = x @ W.T`` for the target's projection weights, by one kernel for every row count:
+    the few-row C kernel (``rows``) or oneDNN with prepacked weights (``onednn``), as ``kernel``
+    says; ``auto`` checks and times both at start-up (``kernels.py``) and keeps the faster of
+    those that compute a row bitwise alike at every row count, so a decode and a verify compute a
+    token alike (greedy output equal to the target alone's).
 
     Why: decode (1 token) and verify (γ+1 tokens) on CPU are bound by streaming the weights from
     memory, and what speculative decoding pays per step is the verify/decode cost ratio. MKL's
-    small-M sgemm reads the weights at under half its gemv speed for M=2..8 (a 5-token verify cost
-    ~2x a decode); oneDNN with weights reordered once keeps M=5 within ~1.5x; with the row kernel
-    (``rowkernel.py``, one pass over the weights for up to 6 rows) a whole forward costs little
-    more than a decode for up to 6 query tokens (``bench/forward.py``; docs/benchmarks.md), and it
-    is batch-invariant: a token's logits are bitwise
-    the same in a decode and in a verify. It is single-threaded, so it serves up to
-    ``ROW_KERNEL_MAX_ROWS`` rows when torch runs on one thread; larger batches and multi-threaded
-    engines keep oneDNN, whose results match the row kernel's to ~1e-5, not bitwise (the greedy
-    lossless tests compare outputs token for token either way).
+    small-M sgemm reads the weights at under half its gemv speed for M=2..8; the row kernel
+    (``rowkernel.py``: one pass over the weights for up to 6 rows) keeps a 6-token forward close to
+    a decode; oneDNN with weights reordered once runs 3..16 rows faster still where its blocked
+    kernel suits the CPU (AVX-512), but it takes other kernels for 1 and 2 rows (slower than 3,
+    and for some shapes rounded differently), so fewer rows are padded to ``ONEDNN_MIN_ROWS``
+    (``bench/forward.py``; docs/benchmarks.md). The row kernel is single-threaded: it serves up to
+    ``ROW_KERNEL_MAX_ROWS`` rows when torch runs on one thread, oneDNN the rest.
     """
 
     # the reorder's batch-size hint: tuned for verify-sized M (1..40 rows measured alike)
     PACK_HINT_ROWS = 16
-    # above this many rows oneDNN's blocked GEMM catches up with the row kernel (one-pass kernel,
-    # 150 cached: 16 query rows 106 vs 120 ms, 24 rows 162 vs 155 ms; bench/forward.py)
+    # above this many rows oneDNN's blocked GEMM catches up with the row kernel
     ROW_KERNEL_MAX_ROWS = 16
+    # oneDNN rows below this are padded with zeros: one kernel for every row count
+    ONEDNN_MIN_ROWS = 3
+    # the onednn candidate is checked batch-invariant up to this many rows (8 requests x 5 tokens)
+    ONEDNN_CHECK_ROWS = 40
 
-    def __init__(self, w: dict[str, torch.Tensor], names: list[str], packed: bool, row_kernel: bool = True):
+    def __init__(self, w: dict[str, torch.Tensor], names: list[str], packed: bool, kernel: str = "auto"):
+        if kernel not in ("auto", "rows", "onednn"):
+            raise ValueError(f"linear kernel {kernel!r}: auto, rows or onednn")
         self.w = w
         self.packed: dict[str, torch.Tensor] = {}
         self.rows = None
-        if row_kernel and all(w[name].dtype == torch.float32 and w[name].is_contiguous() for name in names):
+        if kernel != "onednn" and all(w[name].dtype == torch.float32 and w[name].is_contiguous() for name in names):
             from tide.models.rowkernel import load
             self.rows = load()
         if packed and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
@@ -195,20 +199,42 @@ class Linears:
                     self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(w[name], self.PACK_HINT_ROWS)
             except (RuntimeError, AttributeError):  # a torch build without the reorder op
                 self.packed = {}
+        self.choice = None
+        if kernel == "auto" and self.rows is not None and self.packed and torch.get_num_threads() == 1:
+            from tide.models.kernels import choose
+            self.choice = choose({"rows": self._rows_product, "onednn": self._onednn_product}, w, names,
+                                 {"rows": self.ROW_KERNEL_MAX_ROWS, "onednn": self.ONEDNN_CHECK_ROWS})
+            if self.choice.kernel == "onednn":
+                self.rows = None
+
+    @property
+    def kernel(self) -> str:
+        """What computes a few-row product: rows | onednn | torch (neither available)."""
+        if self.rows is not None and torch.get_num_threads() == 1:
+            return "rows"
+        return "onednn" if self.packed else "torch"
 
     def __call__(self, x: torch.Tensor, name: str) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        m = flat.shape[0]
-        if self.rows is not None and m <= self.ROW_KERNEL_MAX_ROWS and torch.get_num_threads() == 1:
-            out = self.rows(flat, self.w[name])
-            return out.view(*x.shape[:-1], out.shape[-1])
-        weight = self.packed.get(name)
-        if weight is None:
+        if self.rows is not None and flat.shape[0] <= self.ROW_KERNEL_MAX_ROWS and torch.get_num_threads() == 1:
+            out = self._rows_product(flat, name)
+        elif name in self.packed:
+            out = self._onednn_product(flat, name)
+        else:
             return F.linear(x, self.w[name])
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, weight, None, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _rows_product(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        return self.rows(flat if flat.is_contiguous() else flat.contiguous(), self.w[name])
+
+    def _onednn_product(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        m = flat.shape[0]
+        if m < self.ONEDNN_MIN_ROWS:
+            flat = torch.cat([flat, flat.new_zeros(self.ONEDNN_MIN_ROWS - m, flat.shape[1])])
+        elif not flat.is_contiguous():
+            flat = flat.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed[name], None, "none", [], "")
+        return out[:m] if m < self.ONEDNN_MIN_ROWS else out
 
 
 @dataclass
@@ -223,7 +249,7 @@ class LlamaTarget:
 
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor],
                  aux_layer_ids: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
-                 max_seq_len: int = 2048, packed: bool = True, row_kernel: bool = True):
+                 max_seq_len: int = 2048, packed: bool = True, kernel: str = "auto"):
         self.shape = shape
         self.dtype = dtype
         self.aux_layer_ids = tuple(aux_layer_ids) or default_aux_layer_ids(shape.num_layers)
@@ -243,19 +269,18 @@ class LlamaTarget:
             w[p + "gate_up"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
         self.w = w
         self.linear = Linears(w, [k for k in w if k.endswith(("qkv", "gate_up", "o_proj.weight", "down_proj.weight"))]
-                              + ["lm_head.weight"], packed=packed and dtype == torch.float32,
-                              row_kernel=row_kernel)
+                              + ["lm_head.weight"], packed=packed and dtype == torch.float32, kernel=kernel)
         self.max_seq_len = max_seq_len
         self.cos, self.sin = rope_tables(shape.head_dim, shape.rope_theta, max_seq_len + 64)
 
     @classmethod
     def from_folder(cls, folder: str | Path, aux_layer_ids: tuple[int, ...] = (),
                     dtype: torch.dtype = torch.float32, max_seq_len: int = 2048,
-                    packed: bool = True, row_kernel: bool = True) -> "LlamaTarget":
+                    packed: bool = True, kernel: str = "auto") -> "LlamaTarget":
         folder = Path(folder)
         cfg = json.loads((folder / "config.json").read_text())
         weights = load_file(str(folder / "model.safetensors"))
-        return cls(LlamaShape.from_hf_config(cfg), weights, aux_layer_ids, dtype, max_seq_len, packed, row_kernel)
+        return cls(LlamaShape.from_hf_config(cfg), weights, aux_layer_ids, dtype, max_seq_len, packed, kernel)
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -22,7 +22,8 @@ def load_target(cfg) -> tuple[LlamaTarget, object, Path]:
     torch.set_num_threads(cfg.model.torch_threads)
     folder = ensure_target_checkpoint(cfg.home_path, cfg.model.target)
     dtype = getattr(torch, cfg.model.dtype)
-    target = LlamaTarget.from_folder(folder, cfg.model.aux_layer_ids, dtype, cfg.model.max_seq_len)
+    target = LlamaTarget.from_folder(folder, cfg.model.aux_layer_ids, dtype, cfg.model.max_seq_len,
+                                     kernel=cfg.model.linear_kernel)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return target, tokenizer, folder
 

@@ -68,8 +68,8 @@ def test_prepacked_projections_match_plain_linear():
 
     g = torch.Generator().manual_seed(3)
     w = {"a": torch.randn(96, 64, generator=g), "b": torch.randn(64, 96, generator=g)}
-    packed = Linears(w, ["a", "b"], packed=True, row_kernel=False)
-    plain = Linears(w, ["a", "b"], packed=False, row_kernel=False)
+    packed = Linears(w, ["a", "b"], packed=True, kernel="onednn")
+    plain = Linears(w, ["a", "b"], packed=False, kernel="onednn")
     assert not plain.packed
     if torch.backends.mkldnn.is_available():
         assert set(packed.packed) == {"a", "b"}
@@ -81,26 +81,10 @@ def test_prepacked_projections_match_plain_linear():
         assert torch.allclose(packed(y, "b"), plain(y, "b"), atol=1e-3)
 
 
-def test_without_the_row_kernel_one_library_computes_every_row_count():
-    """A decode (one row) goes through the same prepacked oneDNN kernel as a verify (several rows),
-    so wherever that kernel is batch-invariant a token's logits are bitwise alike in both (MKL's
-    gemv for one row differed by ~1e-5)."""
-    from tide.models.llama import Linears
-
-    g = torch.Generator().manual_seed(5)
-    w = {"qkv": torch.randn(960, 576, generator=g) * 0.05}  # SmolLM2's hidden size and fused qkv
-    torch_mode = Linears(w, ["qkv"], packed=True, row_kernel=False)
-    assert torch.backends.mkldnn.is_available() and set(torch_mode.packed) == {"qkv"}
-    x = torch.randn(8, 576, generator=g)
-    onednn = torch.ops.mkldnn._linear_pointwise(x[:1].contiguous(), torch_mode.packed["qkv"], None, "none", [], "")
-    assert torch.equal(torch_mode(x[:1], "qkv"), onednn)
-    assert torch.allclose(torch_mode(x, "qkv"), x @ w["qkv"].T, atol=1e-4)
-
-
 def test_packed_and_plain_targets_agree(pair):
     _, ours = pair
     plain = LlamaTarget(ours.shape, {k: v for k, v in ours.w.items() if k.endswith("weight")},
-                        ours.aux_layer_ids, max_seq_len=128, packed=False, row_kernel=False)
+                        ours.aux_layer_ids, max_seq_len=128, packed=False, kernel="onednn")
     ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(5))
     a = ours.forward(ids, torch.tensor([0, 0]), ours.new_cache(2), torch.tensor([0, 1]))
     b = plain.forward(ids, torch.tensor([0, 0]), plain.new_cache(2), torch.tensor([0, 1]))
