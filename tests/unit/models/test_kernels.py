@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tide.models import kernels
+from tide.models import kernels, rowkernel
 from tide.models.llama import Linears
 
 
@@ -94,8 +94,9 @@ def test_auto_computes_every_row_bitwise_alike_at_every_row_count():
     g = torch.Generator().manual_seed(9)
     w = {"qkv": torch.randn(960, 576, generator=g) * 0.05, "down": torch.randn(576, 1536, generator=g) * 0.05}
     lin = Linears(w, ["qkv", "down"], packed=True)
-    assert lin.choice is not None and lin.kernel == lin.choice.kernel
-    assert lin.choice.invariant[lin.kernel]
+    if rowkernel.cpu_supported() and rowkernel._compiler() is not None:  # both candidates here: a choice made
+        assert lin.choice is not None and lin.kernel == lin.choice.kernel
+        assert lin.choice.invariant[lin.kernel]
     for name, k in (("qkv", 576), ("down", 1536)):
         x = torch.randn(16, k, generator=g)
         alone = torch.cat([lin(x[i:i + 1], name) for i in range(16)])
