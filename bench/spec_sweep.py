@@ -2,8 +2,10 @@
 
 Modes (``--modes``; default: target-only, today's cost scheduler and the engine's default, DSpark's
 admission with a packed verify): ``target``, ``fixed`` (γ every step), ``stop_rule``, ``cost``,
-``dspark``, and ``dspark-nohead`` (DSpark with the same drafter's confidence head withheld: its
-drafts ranked on the top-probability chain). For each concurrency B and round, the same B
+``dspark``, ``dspark-nohead`` (DSpark with the same drafter's confidence head withheld: its
+drafts ranked on the top-probability chain), and ``target-aa``: a second target-only engine, the
+A/A control whose ratio over ``target`` is the bench's own spread (what a mode exactly as fast as
+target-only reads in this run). For each concurrency B and round, the same B
 held-out prompts go through one reference engine per mode (all alive at once and serving every
 concurrency, the mode order rotated per round so drift in machine load hits all alike). Decode
 tokens/s of a round = tokens after every request's first token / seconds from then until the last
@@ -38,7 +40,7 @@ from tide.engine.reference import ReferenceEngine, load_target
 from tide.report import ModeResult, ratio_interval
 from tide.train.offline import render_prompt
 
-MODES = ("target", "fixed", "stop_rule", "cost", "dspark", "dspark-nohead")
+MODES = ("target", "target-aa", "fixed", "stop_rule", "cost", "dspark", "dspark-nohead")
 PAIRS = (("dspark", "cost"), ("dspark", "dspark-nohead"), ("cost", "stop_rule"))  # (over, under) when both run
 
 
@@ -113,7 +115,7 @@ def build_engines(modes, target, tok, drafter, version, size: dict, stop_prob: f
     """One engine per mode; the costed ones profile their step cost here."""
     engines = {}
     for m in modes:
-        if m == "target":
+        if m in ("target", "target-aa"):
             engines[m] = ReferenceEngine(target, tok, None, "none", **size)
             continue
         d = drafter
@@ -201,7 +203,7 @@ def main() -> int:
                     identical[m] += sum(a[:len(t)] == t[:len(a)] for a, t in zip(outs[m], outs["target"]))
             health = {m: {k: e.health().get(k) for k in ("speculation", "acceptance_by_depth", "confidence_head",
                                                           "drafted_tok_s_by_rows", "judged_rows")}
-                      for m, e in engines.items() if m != "target"}
+                      for m, e in engines.items() if not m.startswith("target")}
             results[b] = _cell(modes, res, identical, health, rows_out, b)
             print(f"B={b} done: " + ", ".join(f"{m} {results[b][m]['ratio']:.3f}x" for m in modes if m != "target"),
                   flush=True)
