@@ -90,8 +90,8 @@ def drafting_gain(trackers: list[AcceptanceTracker], caps: list[int], greedy: li
     draws = max(1, -(-SAMPLED_ROWS // n))
     tokens = secs = 0.0
     for r in range(draws):
-        chains = [t.chains[(r * n + b) % len(t.chains)] if greedy[b] and t.chains and caps[b] > 0 else None
-                  for b, t in enumerate(trackers)]
+        chains = [t.chains[-1 - (r * n + b) % len(t.chains)] if greedy[b] and t.chains and caps[b] > 0 else None
+                  for b, t in enumerate(trackers)]  # the newest first
         longest = max((len(c) for c in chains if c), default=0)
         memo: dict[int, list[list[float]]] = {}
 

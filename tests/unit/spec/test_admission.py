@@ -72,6 +72,9 @@ def test_drafting_gain_replays_recent_chains_through_the_admission():
     # a mix: the live signal keeps the confident rows' drafts and drops the rest, so it still pays
     mixed = _with_chains([[0.95, 0.9, 0.85], [0.01, 0.001, 0.0001]] * 4)
     assert drafting_gain([mixed, mixed], [3, 3], [True, True], seconds, 3) > 1.1
+    # the newest chains: a drafter that was hopeless a while ago and is confident now pays now
+    recovered = _with_chains([[0.01, 0.001, 0.0001]] * 48 + [[0.95, 0.9, 0.85]] * 16)
+    assert drafting_gain([recovered], [3], [True], seconds, 3) > 1.5
 
 
 def test_drafting_gain_pays_the_drafter_the_depths_the_live_plan_would_run():
