@@ -140,12 +140,16 @@ class AdmissionPlan:
         self.chosen = [0] * len(trackers)  # per row: the admission's own choice (before a probe's minimum)
         self.drafted = 0  # the depths the drafter ran
 
-    def worth_drafting(self) -> bool:
-        """Before the drafter runs: drafting pays by ``MIN_GAIN`` in expectation, or a row probes."""
-        if any(m > 0 and c > 0 for m, c in zip(self.min_lens, self.caps)):
+    @property
+    def probing(self) -> bool:
+        return any(m > 0 and c > 0 for m, c in zip(self.min_lens, self.caps))
+
+    def worth_drafting(self, price: Callable[..., float] = drafting_gain) -> bool:
+        """Before the drafter runs: drafting pays by ``MIN_GAIN`` in expectation, or a row probes.
+        ``price``: ``drafting_gain`` or a caller's reuse of its earlier answers."""
+        if self.probing:
             return True
-        gain = drafting_gain(self.trackers, self.caps, self.greedy, self.seconds, self.max_depth)
-        return gain > 1 + MIN_GAIN
+        return price(self.trackers, self.caps, self.greedy, self.seconds, self.max_depth) > 1 + MIN_GAIN
 
     def _survival(self, drafts: Drafts) -> list[list[float]]:
         chain = drafts.chain().tolist()

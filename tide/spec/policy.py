@@ -35,6 +35,10 @@ DEFAULT_WORKLOAD = "default"  # the tag of requests that carry none
 SETTLED_DRAFTS = 32  # verified drafts of a workload before its drafted steps count as realized rate
 REFEED_STEPS = 8  # drafted steps a deferred feed is spread over (amortized_feed)
 MAX_GATE_EVENTS = 256  # the health view's history of gate changes (a flapping gate keeps the latest)
+# dspark: steps a priced decision to draft (drafting_gain: recent chains replayed through the
+# admission) answers the same question again: its figures are running averages over ~50 drafts,
+# and replaying every step costs a one-row step more than the cost scheduler's whole decision
+REPRICE_STEPS = 4
 
 
 def amortized_feed(feed_positions: int, room: list[int]) -> int:
@@ -68,6 +72,8 @@ class SpecPolicy:
         self._settled = False  # this step's rows have learnt acceptance (see plan)
         self._deferred_feed_s = 0.0  # this step's feed seconds charged to later steps (see plan)
         self._trackers: dict[str, AcceptanceTracker] = {}
+        self._prices: dict[tuple, tuple[float, int]] = {}  # question -> (drafting gain, step priced at)
+        self._steps = 0  # dspark plans made (the clock of _priced)
         self._version = "none"
         # (unix time, workload, drafter version, on, reason, acceptance by depth) per gate change
         self.events: deque[dict] = deque(maxlen=MAX_GATE_EVENTS)
@@ -126,12 +132,13 @@ class SpecPolicy:
                         greedy: list[bool]) -> tuple[bool, Planner | None]:
         trackers = [self._tracker(w) for w in names]
         n = len(names)
+        self._steps += 1
         decided: dict[str, tuple[bool, bool]] = {}
         caps, min_lens = [], []
         for w, t, left, g in zip(names, trackers, room, greedy):
             if w not in decided:  # (one row alone: priced only when the gate judges again)
-                pays = lambda bar, t=t, g=g: drafting_gain([t], [gamma], [g], self._seconds(1, gamma, 0),  # noqa: E731
-                                                           gamma) > 1 + bar
+                pays = lambda bar, w=w, t=t, g=g: self._priced(  # noqa: E731
+                    ("solo", w, g), [t], [gamma], [g], self._seconds(1, gamma, 0), gamma) > 1 + bar
                 on, _, changed = self.gate.decide(w, t, None, pays_at=pays)
                 if changed:
                     self._gate_metric(w, on, changed)
@@ -146,13 +153,23 @@ class SpecPolicy:
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost" if any(on for on, _ in decided.values()) else "gated").inc()
             return False, None
         plan = AdmissionPlan(trackers, caps, greedy, self._seconds(n, gamma, feed_positions), gamma, min_lens)
-        if not plan.worth_drafting():
+        question = (tuple(names), tuple(caps), tuple(greedy), feed_positions)
+        if not plan.worth_drafting(lambda *args: self._priced(question, *args)):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost").inc()
             return False, None
         if not probing and not self.realized.allows(n, lambda rows: self.cost.step_costs(rows, 0)[0]):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("measured").inc()
             return False, None
         return True, plan
+
+    def _priced(self, question: tuple, *args) -> float:
+        """``drafting_gain(*args)``, the answer to ``question`` reused for ``REPRICE_STEPS`` steps."""
+        hit = self._prices.get(question)
+        if hit is None or self._steps - hit[1] >= REPRICE_STEPS:
+            if len(self._prices) > 64:  # drop the stale (a batch's mix of rows makes many questions)
+                self._prices = {q: h for q, h in self._prices.items() if self._steps - h[1] < REPRICE_STEPS}
+            hit = self._prices[question] = (drafting_gain(*args), self._steps)
+        return hit[0]
 
     def _seconds(self, rows: int, gamma: int, feed_positions: int):
         """seconds(k, ran, even) of a step of ``rows`` rows verifying k drafts after the drafter ran
@@ -226,7 +243,7 @@ class SpecPolicy:
         old = self._version
         for w in self.gate.state:
             metrics.ENGINE_SPEC_ENABLED.labels(w, old).set(0)
-        self._version, self._trackers = version, {}
+        self._version, self._trackers, self._prices = version, {}, {}
         self.realized = RealizedRate(self.gate.probe_steps)
         self.judged_rows, self._starved = 0, {}
         for w, on, reason in self.gate.reset("drafter_swapped"):

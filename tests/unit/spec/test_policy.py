@@ -212,3 +212,30 @@ def test_the_realized_rate_counts_a_catch_up_feed_as_the_decision_charges_it():
     policy.observe_step_wall(2, wall_s=1.2, forwards_s=1.1, drafted=True, tokens=4)  # a steady feed: all of it
     assert policy.realized.drafted[2][1] / policy.realized.drafted[2][0] == pytest.approx(
         (0.95 * 0.05 * (3.2 - 1.75) + 0.05 * 1.2) / (0.95 * 0.05 * 4 + 0.05 * 4))
+
+
+def test_dspark_reuses_a_priced_decision_to_draft_for_a_few_steps_never_across_drafters(monkeypatch):
+    """Pricing a decision to draft replays recent chains through the admission: the same question
+    (the gate's one-row one, the step's own) is answered again from the last pricing for
+    ``REPRICE_STEPS`` steps, then priced anew; a new drafter's decisions never reuse the old one's."""
+    import tide.spec.policy as policy_module
+    from tide.spec.policy import REPRICE_STEPS
+
+    priced = []
+    real = policy_module.drafting_gain
+    monkeypatch.setattr(policy_module, "drafting_gain", lambda *args: priced.append(1) or real(*args))
+    policy = SpecPolicy("dspark", 3, 0.3, linear_cost(1, 3, per_token_s=0.01, draft_per_depth_s=0.001))
+    tracker = policy._tracker("chat")
+    tracker.drafts_seen = policy.gate.min_drafts
+    for _ in range(REPRICE_STEPS):
+        tracker.drafts_seen += 1  # a drafted step moved the acceptance: the gate judges again
+        assert policy.plan(["chat"], 3, room=[20])[0]
+    assert len(priced) == 2  # the gate's question and the step's, once each
+    tracker.drafts_seen += 1
+    assert policy.plan(["chat"], 3, room=[20])[0]
+    assert len(priced) == 4
+    assert policy.plan(["chat"], 3, room=[2])[0]  # another question (row budget): priced at once
+    assert len(priced) == 5
+    policy.drafter_changed("v2")
+    assert policy.plan(["chat"], 3, room=[20])[0]
+    assert len(priced) == 6
