@@ -138,7 +138,7 @@ class SpecPolicy:
         for w, t, left, g in zip(names, trackers, room, greedy):
             if w not in decided:  # (one row alone: priced only when the gate judges again)
                 pays = lambda bar, w=w, t=t, g=g: self._priced(  # noqa: E731
-                    ("solo", w, g), [t], [gamma], [g], self._seconds(1, gamma, 0), gamma) > 1 + bar
+                    ("solo", w, g, gamma), [t], [gamma], [g], self._seconds(1, gamma, 0), gamma) > 1 + bar
                 on, _, changed = self.gate.decide(w, t, None, pays_at=pays)
                 if changed:
                     self._gate_metric(w, on, changed)
@@ -153,7 +153,7 @@ class SpecPolicy:
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost" if any(on for on, _ in decided.values()) else "gated").inc()
             return False, None
         plan = AdmissionPlan(trackers, caps, greedy, self._seconds(n, gamma, feed_positions), gamma, min_lens)
-        question = (tuple(names), tuple(caps), tuple(greedy), feed_positions)
+        question = (tuple(names), tuple(caps), tuple(greedy), gamma, feed_positions)
         if not plan.worth_drafting(lambda *args: self._priced(question, *args)):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost").inc()
             return False, None

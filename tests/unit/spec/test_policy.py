@@ -236,6 +236,8 @@ def test_dspark_reuses_a_priced_decision_to_draft_for_a_few_steps_never_across_d
     assert len(priced) == 4
     assert policy.plan(["chat"], 3, room=[2])[0]  # another question (row budget): priced at once
     assert len(priced) == 5
+    assert policy.plan(["chat"], 2, room=[20])[0]  # the same caps, fewer depths left: another question
+    assert len(priced) == 6
     policy.drafter_changed("v2")
     assert policy.plan(["chat"], 3, room=[20])[0]
-    assert len(priced) == 6
+    assert len(priced) == 7
