@@ -148,7 +148,6 @@ class SpecPolicy:
             caps.append(max(0, min(gamma, left)) if on or probe else 0)
             min_lens.append(1 if probe else 0)
         self._settled = all(t.drafts_seen >= SETTLED_DRAFTS for t in trackers)
-        probing = any(m and c for m, c in zip(min_lens, caps))
         if not any(caps):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost" if any(on for on, _ in decided.values()) else "gated").inc()
             return False, None
@@ -157,7 +156,7 @@ class SpecPolicy:
         if not plan.worth_drafting(lambda *args: self._priced(question, *args)):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("cost").inc()
             return False, None
-        if not probing and not self.realized.allows(n, lambda rows: self.cost.step_costs(rows, 0)[0]):
+        if not plan.probing and not self.realized.allows(n, lambda rows: self.cost.step_costs(rows, 0)[0]):
             metrics.ENGINE_TARGET_ONLY_STEPS.labels("measured").inc()
             return False, None
         return True, plan
