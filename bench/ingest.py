@@ -21,6 +21,10 @@ Steps:
    one is given end to end (the group's join and rebalance and the durable tail included: fixed
    costs a short backlog makes weigh) and steady (every replica consuming: the throughput a longer
    backlog tends to).
+7. where the cores went (Linux /proc, sampled by the parent): the machine's busy cores and the
+   broker's over each phase's steady window, CPU-seconds per GB (``cpu_per_gb``), and the steady
+   two over one scaled to every core busy (what idle cores cost the ratio, as opposed to the CPU
+   the replicas and the broker spend).
 
     python -m bench.ingest [--backlog-mb 1024] [--json reports/bench/ingest.json]
     python -m bench.ingest --backlog-mb 200       # a short run: the fixed commit tail weighs more
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -38,6 +43,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from bench.cpu import CpuMeter
 
 HIDDEN = 576
 MAX_MESSAGE_BYTES = 900_000
@@ -197,16 +204,33 @@ def _count_at(marks: list, t: float) -> float:
     return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
 
 
+def steady_window(workers: list[dict]) -> tuple[float, float]:
+    """(start, end): from the last worker's first message to the first one's last."""
+    return max(w["marks"][0][0] for w in workers), min(w["marks"][-1][0] for w in workers)
+
+
 def steady_mb_per_s(workers: list[dict], bytes_per_message: float) -> float:
     """Combined consume rate while every worker was consuming: from the last one's first message to the
     first one's last (a group's join and rebalance before, and the durable tail after, are fixed
     costs the end-to-end rate carries)."""
-    start = max(w["marks"][0][0] for w in workers)
-    end = min(w["marks"][-1][0] for w in workers)
+    start, end = steady_window(workers)
     if end <= start:
         return float("nan")
     messages = sum(_count_at(w["marks"], end) - _count_at(w["marks"], start) for w in workers)
     return messages * bytes_per_message / (end - start) / 1e6
+
+
+def cpu_per_gb(one: dict, two: dict, gb: float) -> dict:
+    """CPU-seconds per GB consumed: the replicas' (whole run), the broker's and the machine's (steady
+    window) with one replica and with two. With the broker on the same cores, two replicas run at
+    most at cores / (machine's per GB) while one replica is held to one core by its GIL: a cheaper
+    replica speeds both up but narrows the gap between them."""
+    out = {"replica_one": one["cpu_seconds"] / gb, "replicas_two": sum(w["cpu_seconds"] for w in two["replicas"]) / gb}
+    for name, phase in (("one", one), ("two", two)):
+        gb_per_s = phase["steady_mb_per_s"] / 1e3
+        out[f"broker_{name}"] = phase["broker_cores"] / gb_per_s
+        out[f"machine_{name}"] = phase["machine_busy_cores"] / gb_per_s
+    return out
 
 
 def _worker_cmd(kind: str, bootstrap: str, topic: str, messages: int, nbytes: int, data_dir: str,
@@ -242,6 +266,30 @@ def _two_replicas(bootstrap: str, topic: str, messages: int, nbytes: int, data_d
     return {"replicas": [a, b], "messages": a["messages"] + b["messages"], "seconds": seconds,
             "mb_per_s": counted / seconds / 1e6, "steady_mb_per_s": steady_mb_per_s([a, b], nbytes / messages),
             "peak_rss_mib": max(a["peak_rss_mib"], b["peak_rss_mib"])}
+
+
+def _round(r: int, bootstrap: str, topic: str, messages: int, nbytes: int, tmp: str, meter: CpuMeter) -> dict:
+    """Raw consume twice, one replica, two replicas; the ratios and where the cores went."""
+    raw = _run_worker("consume", bootstrap, topic, messages, nbytes, tmp)
+    raw_tuned = _run_worker("consume-tuned", bootstrap, topic, messages, nbytes, tmp)
+    one = _run_worker("ingest", bootstrap, topic, messages, nbytes, str(Path(tmp) / f"one-{r}"),
+                      f"bench-{uuid.uuid4().hex[:8]}")
+    one.update(meter.window(*steady_window([one])))
+    shutil.rmtree(Path(tmp) / f"one-{r}", ignore_errors=True)
+    two = _two_replicas(bootstrap, topic, messages, nbytes, str(Path(tmp) / f"two-{r}"))
+    two.update(meter.window(*steady_window(two["replicas"])))
+    shutil.rmtree(Path(tmp) / f"two-{r}", ignore_errors=True)
+    assert one["messages"] == messages and two["messages"] >= messages, (one, two)
+    one["steady_mb_per_s"] = steady_mb_per_s([one], nbytes / messages)
+    return {"raw_consume": raw, "raw_consume_tuned": raw_tuned, "ingest": one, "two_replicas": two,
+            "ratio": one["mb_per_s"] / raw["mb_per_s"],
+            "ratio_same_settings": one["mb_per_s"] / raw_tuned["mb_per_s"],
+            "scale_out": two["mb_per_s"] / one["mb_per_s"],
+            "scale_out_steady": two["steady_mb_per_s"] / one["steady_mb_per_s"],
+            "cpu_s_per_gb": cpu_per_gb(one, two, nbytes / 1e9),
+            # the steady ratio had two replicas kept every core busy: what idle cores cost it
+            "scale_out_full_cores": two["steady_mb_per_s"] / one["steady_mb_per_s"]
+            * len(os.sched_getaffinity(0)) / two["machine_busy_cores"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,21 +331,9 @@ def main(argv: list[str] | None = None) -> int:
             messages, nbytes = produce_backlog(bootstrap, topic, int(args.backlog_mb * 1e6))
             produce_s = time.perf_counter() - t
             rounds = []
-            for r in range(args.rounds):  # alternate, so load from elsewhere hits all alike
-                raw = _run_worker("consume", bootstrap, topic, messages, nbytes, tmp)
-                raw_tuned = _run_worker("consume-tuned", bootstrap, topic, messages, nbytes, tmp)
-                one = _run_worker("ingest", bootstrap, topic, messages, nbytes, str(Path(tmp) / f"one-{r}"),
-                                  f"bench-{uuid.uuid4().hex[:8]}")
-                shutil.rmtree(Path(tmp) / f"one-{r}", ignore_errors=True)
-                two = _two_replicas(bootstrap, topic, messages, nbytes, str(Path(tmp) / f"two-{r}"))
-                shutil.rmtree(Path(tmp) / f"two-{r}", ignore_errors=True)
-                assert one["messages"] == messages and two["messages"] >= messages, (one, two)
-                one["steady_mb_per_s"] = steady_mb_per_s([one], nbytes / messages)
-                rounds.append({"raw_consume": raw, "raw_consume_tuned": raw_tuned, "ingest": one, "two_replicas": two,
-                               "ratio": one["mb_per_s"] / raw["mb_per_s"],
-                               "ratio_same_settings": one["mb_per_s"] / raw_tuned["mb_per_s"],
-                               "scale_out": two["mb_per_s"] / one["mb_per_s"],
-                               "scale_out_steady": two["steady_mb_per_s"] / one["steady_mb_per_s"]})
+            with CpuMeter(stack.tansu.pid if stack is not None else None) as meter:
+                for r in range(args.rounds):  # alternate, so load from elsewhere hits all alike
+                    rounds.append(_round(r, bootstrap, topic, messages, nbytes, tmp, meter))
         finally:
             if stack is not None:
                 stack.stop()
@@ -314,6 +350,14 @@ def main(argv: list[str] | None = None) -> int:
                      "", f"{two['peak_rss_mib']:.0f}", ""))
         rows.append((f"round {r + 1}: steady MB/s, 1 replica; 2 replicas",
                      f"{result['ingest']['steady_mb_per_s']:.1f}; {two['steady_mb_per_s']:.1f}", "", "", "", ""))
+        one, per_gb = result["ingest"], result["cpu_s_per_gb"]
+        rows.append((f"round {r + 1}: steady busy cores (machine; broker), 1 replica; 2 replicas",
+                     f"{one['machine_busy_cores']:.2f}; {one['broker_cores']:.2f}; {two['machine_busy_cores']:.2f}; "
+                     f"{two['broker_cores']:.2f}", "", "", "", ""))
+        rows.append((f"round {r + 1}: CPU-s per GB (replicas; broker; machine), 1 replica; 2 replicas",
+                     f"{per_gb['replica_one']:.2f}; {per_gb['broker_one']:.2f}; {per_gb['machine_one']:.2f}; "
+                     f"{per_gb['replicas_two']:.2f}; {per_gb['broker_two']:.2f}; {per_gb['machine_two']:.2f}",
+                     "", "", "", ""))
         rows.append((f"round {r + 1}: 1 replica / raw; / raw same settings; 2 replicas / 1 (end to end; steady)",
                      f"{result['ratio']:.2f}; {result['ratio_same_settings']:.2f}; {result['scale_out']:.2f}; "
                      f"{result['scale_out_steady']:.2f}", "", "", "", ""))
@@ -328,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"{statistics.median(scale):.2f} [{min(scale):.2f}, {max(scale):.2f}]", "", "", "", ""))
     rows.append(("2 replicas / 1, steady: median [min, max] (floor 1.3)",
                  f"{statistics.median(steady):.2f} [{min(steady):.2f}, {max(steady):.2f}]", "", "", "", ""))
+    full = [r["scale_out_full_cores"] for r in rounds]
+    rows.append((f"2 replicas / 1, steady, had two replicas kept all {len(os.sched_getaffinity(0))} cores busy: median",
+                 f"{statistics.median(full):.2f} [{min(full):.2f}, {max(full):.2f}]", "", "", "", ""))
     rows.append(("ingest peak RSS (floor < 1024 MiB at 1 GB)", f"{peak:.0f}", "", "", "", ""))
     print_table(f"Ingest vs raw consume: {messages} messages, {nbytes / 1e6:.0f} MB backlog on {PARTITIONS} partitions "
                 f"(produced in {produce_s:.1f} s), {args.rounds} alternating rounds", rows)
@@ -337,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                            "scale_out_range": [min(scale), max(scale)],
                            "scale_out_steady_median": statistics.median(steady),
                            "scale_out_steady_range": [min(steady), max(steady)], "ingest_peak_rss_mib": peak,
+                           "scale_out_full_cores_median": statistics.median(full),
                            "floors": {"ratio": 0.8, "scale_out": 1.3, "peak_rss_mib_at_1gb": 1024}})
     return 0
 
