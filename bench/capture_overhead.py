@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.cpu import process_cpu_s, thread_cpu_s
 from bench.report import print_table, write_json
 from tide import metrics, workloads
 from tide.capture.tap import CaptureTap
@@ -54,34 +55,6 @@ def t_interval90(values: list[float]) -> tuple[float, float, float]:
     t = _T95.get(df) or _T95[max(k for k in _T95 if k <= df)]
     half = t * statistics.stdev(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
-
-
-def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds (user + system) per Python thread name of this process (native threads that
-    Python did not start, e.g. torch's, are summed as "<native>")."""
-    tick = os.sysconf("SC_CLK_TCK")
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue
-        name = names.get(int(task.name), "<native>")
-        name = "<request client threads>" if name.startswith("Thread-") else name
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def process_cpu_s(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class TimedSink:
