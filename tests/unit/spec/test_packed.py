@@ -53,7 +53,10 @@ def test_greedy_identical_with_different_draft_lengths_per_row_in_one_packed_ver
     engine = _engine(tiny_target, _with_head(drafter))
     try:
         assert engine.health()["confidence_head"]["in_use"]
-        outs = _submit_all(engine, [GenerationRequest(f"p{i}", tuple(p), SamplingParams(max_new_tokens=40))
+        # two workloads: what the random prompts teach their tracker (drafts rarely accepted) must not
+        # depend on which requests the threads got in first, nor decide the agreeing prompts' depths
+        outs = _submit_all(engine, [GenerationRequest(f"p{i}", tuple(p), SamplingParams(max_new_tokens=40),
+                                                      workload="agreeing" if i < len(agreeing) else "random")
                                     for i, p in enumerate(prompts)])
         accepted = engine.stats().acceptance["v1"]
     finally:
